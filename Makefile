@@ -1,0 +1,45 @@
+# Set-up and everyday commands. Everything installs into .venv from pyproject.toml.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP_RUN := $(VENV)/.installed-run
+STAMP_TEST := $(VENV)/.installed-test
+
+.PHONY: demo test lint typecheck unit bench horovod clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP_RUN): pyproject.toml | $(PY)
+	$(PIP) install -q -e '.[tf,s3]'
+	touch $@
+
+$(STAMP_TEST): pyproject.toml $(STAMP_RUN)
+	$(PIP) install -q -e '.[tf,s3,test]'
+	touch $@
+
+demo: $(STAMP_RUN)
+	$(PY) examples/demo.py
+
+horovod: $(STAMP_RUN)
+	bash scripts/build_horovod.sh
+
+lint: $(STAMP_TEST)
+	$(VENV)/bin/ruff check yogastore storage_backends tests benchmarks examples
+	$(VENV)/bin/ruff format --check yogastore storage_backends tests benchmarks examples
+
+typecheck: $(STAMP_TEST)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP_TEST)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: $(STAMP_TEST) horovod lint typecheck unit
+
+bench: $(STAMP_TEST)
+	$(PY) -m benchmarks.read_throughput $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

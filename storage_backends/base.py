@@ -1,0 +1,188 @@
+"""The abstract storage backend: keys and bytes, nothing else.
+
+A backend stores immutable byte values under ``/``-separated keys. It knows no
+schema and no TensorFlow. Public methods validate their arguments and then call
+small abstract primitives that each backend implements; a backend missing a
+primitive fails at construction (``abc``), not at first call.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+from storage_backends.errors import InvalidArgumentError
+
+__all__ = ["Backend", "Buffer", "check_key"]
+
+#: Read results: ``bytes`` or a read-only ``memoryview`` that stays valid until
+#: the backend is closed.
+Buffer = bytes | memoryview
+
+_FORBIDDEN = re.compile(r"[\\\x00]")
+
+
+def check_key(key: str) -> str:
+    """Validate a backend key and return it.
+
+    Keys are ``/``-separated parts of printable characters other than ``\\``;
+    no part may be empty, ``.`` or ``..``.
+
+    Raises:
+        InvalidArgumentError: the key is malformed.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidArgumentError(f"storage key must be a non-empty string, got {key!r}")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or not part.isprintable() or _FORBIDDEN.search(part):
+            raise InvalidArgumentError(f"storage key {key!r} has an invalid part {part!r}")
+    return key
+
+
+def _check_prefix(prefix: str) -> str:
+    if prefix == "":
+        return prefix
+    if not prefix.endswith("/"):
+        raise InvalidArgumentError(f"prefix {prefix!r} must be empty or end with '/'")
+    check_key(prefix[:-1])
+    return prefix
+
+
+class Backend(abc.ABC):
+    """Abstract key/bytes store.
+
+    Rules every backend follows (checked by ``tests/backends/contract.py``):
+
+    * ``get_range(key, start, length)`` returns exactly ``length`` bytes; a
+      range past the end of the value raises ``InvalidArgumentError``; a
+      zero-length range returns ``b""`` (even at the very end of the value).
+    * ``put_exclusive`` raises ``KeyExistsError`` if the key exists, atomically.
+    * ``list(prefix)`` returns sorted keys starting with ``prefix``.
+    * Missing keys raise ``KeyNotFoundError``.
+    """
+
+    #: URL schemes this backend serves.
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # Public, validating API -------------------------------------------------
+
+    def get(self, key: str) -> Buffer:
+        """Return the whole value stored under ``key``."""
+        return self._get(check_key(key))
+
+    def get_range(self, key: str, start: int, length: int) -> Buffer:
+        """Return ``length`` bytes of ``key`` starting at byte ``start``."""
+        check_key(key)
+        if start < 0 or length < 0:
+            raise InvalidArgumentError(
+                f"byte range start={start} length={length} of {key!r} is negative"
+            )
+        if length == 0:
+            return b""
+        return self._get_range(key, start, length)
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
+        """Return several ``(start, length)`` ranges of one value, in order."""
+        check_key(key)
+        for start, length in ranges:
+            if start < 0 or length < 0:
+                raise InvalidArgumentError(
+                    f"byte range start={start} length={length} of {key!r} is negative"
+                )
+        return self._get_ranges(key, list(ranges))
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Store ``data`` under ``key``, replacing any previous value."""
+        self._put(check_key(key), data)
+
+    def put_exclusive(self, key: str, data: bytes | memoryview) -> None:
+        """Store ``data`` under ``key`` only if the key is absent.
+
+        Raises:
+            KeyExistsError: the key already exists.
+        """
+        self._put_exclusive(check_key(key), data)
+
+    def exists(self, key: str) -> bool:
+        """Return whether ``key`` exists."""
+        return self._exists(check_key(key))
+
+    def size(self, key: str) -> int:
+        """Return the length in bytes of the value under ``key``."""
+        return self._size(check_key(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Return the sorted keys that start with ``prefix`` (``""`` or ending in ``/``)."""
+        return sorted(self._list(_check_prefix(prefix)))
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; deleting a missing key is not an error."""
+        self._delete(check_key(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix`` (which must end with ``/``)."""
+        if not prefix:
+            raise InvalidArgumentError("delete_prefix needs a non-empty prefix")
+        self._delete_prefix(_check_prefix(prefix))
+
+    def lock(self, name: str, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Return a context manager holding an exclusive, crash-released lock.
+
+        Args:
+            name: lock name, a valid key.
+            timeout: seconds to wait for the lock; ``None`` waits forever.
+
+        Raises:
+            LockTimeoutError: the lock was not acquired within ``timeout``.
+        """
+        return self._lock(check_key(name), timeout)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; buffers returned earlier become invalid."""
+
+    # Primitives ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> Buffer: ...
+
+    @abc.abstractmethod
+    def _get_range(self, key: str, start: int, length: int) -> Buffer: ...
+
+    def _get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[Buffer]:
+        return [self.get_range(key, s, n) for s, n in ranges]
+
+    @abc.abstractmethod
+    def _put(self, key: str, data: bytes | memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _put_exclusive(self, key: str, data: bytes | memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _size(self, key: str) -> int: ...
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> Iterator[str] | list[str]: ...
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> None: ...
+
+    def _delete_prefix(self, prefix: str) -> None:
+        for key in self._list(prefix):
+            self._delete(key)
+
+    @abc.abstractmethod
+    def _lock(
+        self, name: str, timeout: float | None
+    ) -> contextlib.AbstractContextManager[None]: ...

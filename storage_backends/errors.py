@@ -1,0 +1,62 @@
+"""Error hierarchy shared by yogastore and its storage backends.
+
+Every error raised on purpose by this project derives from ``YogaStoreError``
+and also from the built-in exception a caller would naturally catch, so
+``except FileNotFoundError`` keeps working for code that knows nothing of
+yogastore.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "CorruptCacheError",
+    "DatasetNotFoundError",
+    "InvalidArgumentError",
+    "KeyExistsError",
+    "KeyNotFoundError",
+    "LockTimeoutError",
+    "StorageError",
+    "UnsupportedElementError",
+    "YogaStoreError",
+]
+
+
+class YogaStoreError(Exception):
+    """Root of every error raised by yogastore."""
+
+
+class InvalidArgumentError(YogaStoreError, ValueError):
+    """An argument is out of range or malformed."""
+
+
+class DatasetNotFoundError(YogaStoreError, FileNotFoundError):
+    """No committed dataset exists under the requested id and version."""
+
+
+class CorruptCacheError(YogaStoreError, ValueError):
+    """A manifest or chunk failed validation (checksum, bounds, counts)."""
+
+
+class UnsupportedElementError(YogaStoreError, TypeError):
+    """A dataset element has a component that cannot be stored."""
+
+
+class StorageError(YogaStoreError, OSError):
+    """A storage backend failed to read or write."""
+
+
+class KeyNotFoundError(StorageError, FileNotFoundError):
+    """A backend key does not exist."""
+
+
+class KeyExistsError(StorageError, FileExistsError):
+    """An exclusive write found the key already present."""
+
+
+class BackendUnavailableError(StorageError):
+    """A backend cannot be reached or is not usable (missing bucket, credentials)."""
+
+
+class LockTimeoutError(YogaStoreError, TimeoutError):
+    """Waiting for another builder took longer than allowed."""

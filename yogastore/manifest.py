@@ -1,0 +1,190 @@
+"""The manifest: the JSON document whose presence commits a dataset version.
+
+It is O(number of chunks): per-record offsets live in each chunk's header.
+Parsing validates every field (types, ranges, contiguity of the chunk table)
+and raises ``CorruptCacheError`` naming the dataset and what failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from storage_backends.errors import CorruptCacheError, InvalidArgumentError
+from yogastore.format import ColumnSpec, columns_for
+from yogastore.spec import Schema
+
+__all__ = ["FORMAT_VERSION", "ChunkInfo", "Manifest", "checksum", "validate_name"]
+
+FORMAT_VERSION = 1
+_CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """Return the checksum string recorded for ``data``."""
+    return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def validate_name(value: Any, what: str) -> str:
+    """Check a dataset id or version and return it.
+
+    Raises:
+        InvalidArgumentError: empty, not a string, containing ``/`` or ``..``,
+            or not printable.
+    """
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"{what} must be a non-empty string, got {value!r}")
+    if "/" in value or "\\" in value or ".." in value or not value.isprintable():
+        raise InvalidArgumentError(
+            f"{what} {value!r} must be printable and contain no '/', '\\\\' or '..'"
+        )
+    if value.startswith(".") or len(value) > 200:
+        raise InvalidArgumentError(f"{what} {value!r} must not start with '.' or exceed 200 chars")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """One row of the chunk table."""
+
+    key: str
+    first: int
+    count: int
+    nbytes: int
+    index_bytes: int
+    checksum: str
+    index_checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _int(obj: dict[str, Any], name: str, where: str, low: int = 0) -> int:
+    value = obj.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise CorruptCacheError(f"{where}: field {name!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _str(obj: dict[str, Any], name: str, where: str) -> str:
+    value = obj.get(name)
+    if not isinstance(value, str):
+        raise CorruptCacheError(f"{where}: field {name!r} must be a string, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Manifest:
+    """A committed dataset version."""
+
+    dataset_id: str
+    version: str
+    num_records: int
+    schema: Schema
+    chunks: tuple[ChunkInfo, ...]
+    build_id: str
+    created: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all chunks."""
+        return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def where(self) -> str:
+        return f"dataset {self.dataset_id!r} version {self.version!r}"
+
+    def columns(self) -> list[ColumnSpec]:
+        """Return the flat column list of the schema."""
+        return [col for comp in self.schema.components for col in columns_for(comp)]
+
+    def chunk_starts(self) -> np.ndarray:
+        """Return the first record index of every chunk (int64)."""
+        return np.fromiter((c.first for c in self.chunks), dtype=np.int64, count=len(self.chunks))
+
+    def to_json(self) -> bytes:
+        """Return the manifest as UTF-8 JSON bytes."""
+        doc = {
+            "format": "yogastore",
+            "format_version": FORMAT_VERSION,
+            "dataset_id": self.dataset_id,
+            "version": self.version,
+            "num_records": self.num_records,
+            "schema": self.schema.to_json(),
+            "chunks": [c.to_json() for c in self.chunks],
+            "build_id": self.build_id,
+            "created": self.created,
+        }
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | memoryview, where: str, prefix: str) -> Manifest:
+        """Parse and validate manifest bytes.
+
+        Args:
+            data: the manifest bytes.
+            where: text naming the dataset for error messages.
+            prefix: the key prefix every chunk key must start with.
+        """
+        try:
+            doc = json.loads(bytes(data))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CorruptCacheError(f"{where}: manifest is not valid JSON: {err}") from err
+        if not isinstance(doc, dict) or doc.get("format") != "yogastore":
+            raise CorruptCacheError(f"{where}: manifest is not a yogastore manifest")
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise CorruptCacheError(
+                f"{where}: manifest format version {doc.get('format_version')!r} is not "
+                f"{FORMAT_VERSION}; rebuild the cache with this yogastore version"
+            )
+        num_records = _int(doc, "num_records", where)
+        schema = Schema.from_json(doc.get("schema"), where)
+        rows = doc.get("chunks")
+        if not isinstance(rows, list):
+            raise CorruptCacheError(f"{where}: manifest has no chunk table")
+        chunks = []
+        expected_first = 0
+        for i, row in enumerate(rows):
+            at = f"{where} chunk {i}"
+            if not isinstance(row, dict):
+                raise CorruptCacheError(f"{at}: chunk table row is not an object")
+            info = ChunkInfo(
+                key=_str(row, "key", at),
+                first=_int(row, "first", at),
+                count=_int(row, "count", at, low=1),
+                nbytes=_int(row, "nbytes", at, low=8),
+                index_bytes=_int(row, "index_bytes", at, low=8),
+                checksum=_str(row, "checksum", at),
+                index_checksum=_str(row, "index_checksum", at),
+            )
+            if not info.key.startswith(prefix) or "/" in info.key[len(prefix) :]:
+                raise CorruptCacheError(f"{at}: chunk key {info.key!r} is outside {prefix!r}")
+            if info.first != expected_first:
+                raise CorruptCacheError(
+                    f"{at}: starts at record {info.first}, expected {expected_first}"
+                )
+            if info.index_bytes > info.nbytes:
+                raise CorruptCacheError(f"{at}: index of {info.index_bytes} bytes exceeds chunk")
+            if not (_CHECKSUM.match(info.checksum) and _CHECKSUM.match(info.index_checksum)):
+                raise CorruptCacheError(f"{at}: malformed checksum {info.checksum!r}")
+            expected_first += info.count
+            chunks.append(info)
+        if expected_first != num_records:
+            raise CorruptCacheError(
+                f"{where}: chunk table covers {expected_first} records, manifest says {num_records}"
+            )
+        created = doc.get("created", {})
+        return cls(
+            dataset_id=_str(doc, "dataset_id", where),
+            version=_str(doc, "version", where),
+            num_records=num_records,
+            schema=schema,
+            chunks=tuple(chunks),
+            build_id=_str(doc, "build_id", where),
+            created=created if isinstance(created, dict) else {},
+        )

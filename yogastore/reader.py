@@ -1,0 +1,140 @@
+"""Fetching chunks and gathering records: order-agnostic, TensorFlow-free.
+
+A ``ChunkSource`` turns an array of record indices into one ``ColumnBatch``
+per column. The local source maps whole chunks zero-copy (LMDB memory map),
+verifies each chunk's checksum the first time this process touches it and then
+gathers with one numpy fancy index per column and chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from storage_backends import Backend
+from storage_backends.errors import CorruptCacheError, KeyNotFoundError
+from yogastore.format import ChunkView, ColumnBatch, gather
+from yogastore.manifest import Manifest, checksum
+
+__all__ = ["ChunkSource", "LocalChunkSource", "ReadStats", "locate"]
+
+IntArray = npt.NDArray[np.int64]
+
+# Chunks whose checksum this process has verified: (backend url, key, checksum).
+_VERIFIED: set[tuple[str, str, str]] = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(slots=True)
+class ReadStats:
+    """Counters of one stream's reads."""
+
+    records: int = 0
+    batches: int = 0
+    bytes_fetched: int = 0
+    requests: int = 0
+    chunks_verified: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class ChunkSource(Protocol):
+    """Gathers records of one dataset version.
+
+    Rules: ``gather`` returns one ``ColumnBatch`` per schema column, in the order
+    of ``records``; every chunk's bytes are validated before use.
+    """
+
+    stats: ReadStats
+
+    def gather(self, records: IntArray) -> list[ColumnBatch]: ...
+
+    def close(self) -> None: ...
+
+
+def locate(manifest: Manifest, starts: IntArray, records: IntArray) -> tuple[IntArray, IntArray]:
+    """Return (chunk index, index within chunk) for each record."""
+    if records.size and (records.min() < 0 or records.max() >= manifest.num_records):
+        raise CorruptCacheError(f"{manifest.where}: record index out of range")
+    which = np.searchsorted(starts, records, side="right") - 1
+    return which.astype(np.int64), records - starts[which]
+
+
+def verify_once(url: str, manifest: Manifest, chunk: int, data: bytes | memoryview) -> bool:
+    """Check one chunk's length and checksum unless already done in this process."""
+    info = manifest.chunks[chunk]
+    token = (url, info.key, info.checksum)
+    with _VERIFIED_LOCK:
+        if token in _VERIFIED:
+            return False
+    if len(data) != info.nbytes:
+        raise CorruptCacheError(
+            f"{manifest.where} chunk {chunk} ({info.key}): {len(data)} bytes, "
+            f"manifest says {info.nbytes}"
+        )
+    if checksum(data) != info.checksum:
+        raise CorruptCacheError(
+            f"{manifest.where} chunk {chunk} ({info.key}): checksum mismatch; the cache is "
+            "corrupted, delete and rebuild this version"
+        )
+    with _VERIFIED_LOCK:
+        _VERIFIED.add(token)
+    return True
+
+
+class LocalChunkSource:
+    """Whole chunks read zero-copy from a backend whose ``get`` maps memory."""
+
+    def __init__(self, backend: Backend, manifest: Manifest) -> None:
+        self.backend = backend
+        self.manifest = manifest
+        self.stats = ReadStats()
+        self._columns = manifest.columns()
+        self._starts = manifest.chunk_starts()
+        self._views: dict[int, ChunkView] = {}
+        self._lock = threading.Lock()
+
+    def view(self, chunk: int) -> ChunkView:
+        """Return the validated view of one chunk."""
+        view = self._views.get(chunk)
+        if view is not None:
+            return view
+        info = self.manifest.chunks[chunk]
+        where = f"{self.manifest.where} chunk {chunk} ({info.key})"
+        try:
+            data = self.backend.get(info.key)
+        except KeyNotFoundError as err:
+            raise CorruptCacheError(f"{where}: chunk listed in the manifest is missing") from err
+        verified = verify_once(self.backend.url, self.manifest, chunk, data)
+        view = ChunkView(data, self._columns, info.count, where)
+        with self._lock:
+            self._views[chunk] = view
+            self.stats.requests += 1
+            self.stats.bytes_fetched += len(data)
+            self.stats.chunks_verified += int(verified)
+        return view
+
+    def gather(self, records: IntArray) -> list[ColumnBatch]:
+        which, local = locate(self.manifest, self._starts, records)
+        chunks, inverse = np.unique(which, return_inverse=True)
+        views = [self.view(int(c)) for c in chunks]
+        inverse = inverse.astype(np.int64).reshape(-1)
+        with self._lock:
+            self.stats.records += len(records)
+            self.stats.batches += 1
+        return [gather(c, views, inverse, local, i) for i, c in enumerate(self._columns)]
+
+    def close(self) -> None:
+        self._views.clear()
+
+
+def describe(stats: ReadStats) -> dict[str, Any]:
+    """Return stats as a plain dict (for logs and JSON)."""
+    return stats.as_dict()

@@ -1,0 +1,419 @@
+"""The store: named, versioned datasets, built once, listed, deleted, copied."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from storage_backends import Backend, open_backend
+from storage_backends.errors import (
+    CorruptCacheError,
+    DatasetNotFoundError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+)
+from yogastore.manifest import Manifest, validate_name
+from yogastore.order import Shuffle
+from yogastore.progress import Progress, default_progress
+from yogastore.reader import ChunkSource, LocalChunkSource
+from yogastore.spec import ComponentSpec, Schema
+from yogastore.stream import Stream, StreamState
+from yogastore.writer import records_from_iterable, write_dataset
+
+__all__ = ["DatasetInfo", "DatasetRef", "Store", "default_root"]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_BLOCK_WINDOW = 4
+
+
+def default_root() -> Path:
+    """Return ``$YOGASTORE_HOME``, else ``~/.cache/yogastore``."""
+    home = os.environ.get("YOGASTORE_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "yogastore"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DatasetInfo:
+    """One entry of ``Store.list()``."""
+
+    dataset_id: str
+    version: str
+    num_records: int
+    bytes: int
+
+
+def _is_tf_dataset(obj: Any) -> bool:
+    return type(obj).__module__.startswith("tensorflow") and hasattr(obj, "element_spec")
+
+
+class DatasetRef:
+    """A committed dataset version: its manifest, schema and streams."""
+
+    def __init__(self, store: Store, manifest: Manifest, element_spec: Any = None) -> None:
+        self.store = store
+        self.manifest = manifest
+        self._element_spec = element_spec
+
+    def __repr__(self) -> str:
+        return (
+            f"DatasetRef({self.dataset_id!r}, version={self.version!r}, "
+            f"num_records={self.num_records}, store={self.store.url!r})"
+        )
+
+    @property
+    def dataset_id(self) -> str:
+        return self.manifest.dataset_id
+
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
+    @property
+    def num_records(self) -> int:
+        """Number of records in the dataset."""
+        return self.manifest.num_records
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all chunks."""
+        return self.manifest.nbytes
+
+    @property
+    def schema(self) -> Schema:
+        return self.manifest.schema
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies this build; resume states carry it."""
+        return f"{self.dataset_id}/{self.version}/{self.manifest.build_id}"
+
+    @property
+    def element_spec(self) -> Any:
+        """The ``tf.data`` element_spec of the cached dataset (imports TensorFlow)."""
+        if self._element_spec is None:
+            from yogastore import tf as ytf
+
+            self._element_spec = ytf.element_spec_from_schema(self.schema)
+        return self._element_spec
+
+    def make_source(self) -> ChunkSource:
+        """Return a new chunk source reading this dataset."""
+        return self.store.make_source(self.manifest)
+
+    def _shuffle(self, shuffle: bool | Shuffle) -> Shuffle:
+        if isinstance(shuffle, Shuffle):
+            return shuffle
+        if isinstance(shuffle, bool):
+            if not shuffle:
+                return Shuffle.NONE
+            return Shuffle.BLOCK if self.store.remote else Shuffle.GLOBAL
+        raise InvalidArgumentError(f"shuffle must be a bool or Shuffle, got {shuffle!r}")
+
+    def stream(
+        self,
+        shard_rank: int = 0,
+        num_shards: int = 1,
+        shuffle: bool | Shuffle = True,
+        seed: int = 0,
+        epoch: int = 0,
+        start_offset: int = 0,
+        drop_remainder: bool = False,
+        num_epochs: int | None = 1,
+        *,
+        block_window: int = DEFAULT_BLOCK_WINDOW,
+        prefetch: int = 2,
+    ) -> Stream:
+        """Return rank ``shard_rank``'s stream of ``num_shards``.
+
+        Args:
+            shard_rank: this rank, ``0 <= shard_rank < num_shards``.
+            num_shards: number of ranks sharing each epoch.
+            shuffle: ``True`` (global shuffle locally, block shuffle on object
+                stores), ``False``, or a ``Shuffle``.
+            seed: shuffle seed; every rank must use the same.
+            epoch: first epoch number.
+            start_offset: skip this many of the rank's records first.
+            drop_remainder: give every rank exactly ``N // num_shards`` records.
+            num_epochs: epochs to read; ``None`` reads forever.
+            block_window: chunks mixed together by ``Shuffle.BLOCK``.
+            prefetch: batches read ahead on a background thread (0: none).
+
+        Raises:
+            InvalidArgumentError: an argument is out of range.
+        """
+        return Stream(
+            self,
+            shard_rank=shard_rank,
+            num_shards=num_shards,
+            shuffle=self._shuffle(shuffle),
+            seed=seed,
+            epoch=epoch,
+            start_offset=start_offset,
+            drop_remainder=drop_remainder,
+            num_epochs=num_epochs,
+            block_window=block_window,
+            prefetch=prefetch,
+        )
+
+    def resume(
+        self,
+        state: StreamState | str,
+        shard_rank: int = 0,
+        num_shards: int = 1,
+        *,
+        drop_remainder: bool = False,
+        num_epochs: int | None = 1,
+        prefetch: int = 2,
+    ) -> Stream:
+        """Continue from ``state`` as rank ``shard_rank`` of ``num_shards``.
+
+        The ranks together read exactly the records of ``state.epoch`` not yet
+        consumed (each within one record of the others), then, if
+        ``num_epochs`` allows, the following epochs in their usual order.
+        ``num_shards`` may differ from the count the state was taken with.
+        """
+        if isinstance(state, str):
+            state = StreamState.from_json(state)
+        if state.dataset != self.fingerprint or state.num_records != self.num_records:
+            raise InvalidArgumentError(
+                f"resume state belongs to {state.dataset!r} ({state.num_records} records), "
+                f"not {self.fingerprint!r} ({self.num_records} records)"
+            )
+        return Stream(
+            self,
+            shard_rank=shard_rank,
+            num_shards=num_shards,
+            shuffle=state.shuffle,
+            seed=state.seed,
+            epoch=state.epoch,
+            start_offset=0,
+            drop_remainder=drop_remainder,
+            num_epochs=num_epochs,
+            block_window=state.block_window,
+            first_intervals=state.remaining,
+            prefetch=prefetch,
+        )
+
+
+class Store:
+    """A place holding cached datasets: a local directory (LMDB) or an object store.
+
+    Args:
+        url: a path, ``file://`` URL or ``s3://bucket/prefix``; ``None`` means
+            ``$YOGASTORE_HOME`` or ``~/.cache/yogastore``.
+        chunk_bytes: target chunk size when building.
+        lock_timeout: seconds to wait for another process building the same
+            dataset (``None``: wait as long as it takes).
+        **backend_options: passed to the backend (e.g. ``endpoint_url`` for S3).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | None = None,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        lock_timeout: float | None = None,
+        **backend_options: Any,
+    ) -> None:
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise InvalidArgumentError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+        self.url = os.fspath(url) if url is not None else str(default_root())
+        self.backend: Backend = open_backend(self.url, **backend_options)
+        self.chunk_bytes = chunk_bytes
+        self.lock_timeout = lock_timeout
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    @property
+    def remote(self) -> bool:
+        """Whether the backend is an object store (reads cost requests)."""
+        return bool(getattr(self.backend, "remote", False))
+
+    def make_source(self, manifest: Manifest) -> ChunkSource:
+        """Return a chunk source suited to this store's backend."""
+        factory = getattr(self.backend, "chunk_source", None)
+        if factory is not None:
+            source: ChunkSource = factory(manifest)
+            return source
+        return LocalChunkSource(self.backend, manifest)
+
+    def _read_manifest(self, dataset_id: str, version: str) -> Manifest | None:
+        key = f"{dataset_id}/{version}/{MANIFEST}"
+        where = f"dataset {dataset_id!r} version {version!r} in {self.url}"
+        try:
+            data = self.backend.get(key)
+        except KeyNotFoundError:
+            return None
+        manifest = Manifest.from_json(data, where, f"{dataset_id}/{version}/")
+        if manifest.dataset_id != dataset_id or manifest.version != version:
+            raise CorruptCacheError(
+                f"{where}: manifest names {manifest.dataset_id!r}/{manifest.version!r}"
+            )
+        return manifest
+
+    def open(self, dataset_id: str, version: str = "1") -> DatasetRef:
+        """Return the committed dataset ``dataset_id`` at ``version``.
+
+        Raises:
+            DatasetNotFoundError: no committed dataset under that name.
+        """
+        validate_name(dataset_id, "dataset id")
+        validate_name(version, "version")
+        manifest = self._read_manifest(dataset_id, version)
+        if manifest is None:
+            raise DatasetNotFoundError(
+                f"no dataset {dataset_id!r} version {version!r} in {self.url}; "
+                "build it with Store.cache()"
+            )
+        return DatasetRef(self, manifest)
+
+    def cache(
+        self,
+        dataset_id: str,
+        version: str = "1",
+        make_dataset: Callable[[], Any] | None = None,
+        *,
+        spec: Any = None,
+        chunk_bytes: int | None = None,
+        progress: Progress | None = None,
+    ) -> DatasetRef:
+        """Return the dataset, building it first if it is not cached yet.
+
+        ``make_dataset`` is called only when this process is the one to build:
+        concurrent callers on one machine (or, on S3, anywhere) wait for the
+        builder and then read its result.
+
+        Args:
+            dataset_id: dataset name (printable, no ``/`` or ``..``).
+            version: version name (same rules).
+            make_dataset: returns a ``tf.data.Dataset``, or an iterable of numpy
+                structures described by ``spec``.
+            spec: for iterables, a nest of ``ComponentSpec`` (or of ``tf.TypeSpec``).
+            chunk_bytes: target chunk size (default: the store's).
+            progress: progress sink (default: tqdm on a terminal).
+        """
+        validate_name(dataset_id, "dataset id")
+        validate_name(version, "version")
+        if make_dataset is None or not callable(make_dataset):
+            raise InvalidArgumentError("make_dataset must be a callable returning the dataset")
+        manifest = self._read_manifest(dataset_id, version)
+        if manifest is not None:
+            return DatasetRef(self, manifest)
+        with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
+            manifest = self._read_manifest(dataset_id, version)
+            if manifest is not None:
+                return DatasetRef(self, manifest)
+            # Leftovers of a build that died before its manifest: never read.
+            self.backend.delete_prefix(f"{dataset_id}/{version}/")
+            source = make_dataset()
+            schema, items, element_spec = self._prepare(source, spec)
+            manifest = write_dataset(
+                self.backend,
+                dataset_id,
+                version,
+                schema,
+                items,
+                chunk_bytes=chunk_bytes or self.chunk_bytes,
+                progress=progress or default_progress(f"caching {dataset_id}/{version}"),
+                upload_workers=int(getattr(self.backend, "upload_workers", 1)),
+            )
+        return DatasetRef(self, manifest, element_spec)
+
+    def _prepare(self, source: Any, spec: Any) -> tuple[Schema, Iterable[Any], Any]:
+        if _is_tf_dataset(source):
+            from yogastore import tf as ytf
+
+            schema = ytf.schema_from_element_spec(source.element_spec)
+            return schema, ytf.dataset_items(source, schema), source.element_spec
+        if spec is None:
+            raise InvalidArgumentError(
+                "make_dataset returned a non-tf.data iterable; pass spec= (a nest of ComponentSpec)"
+            )
+        if _contains_component_spec(spec):
+            schema = Schema.from_specs(spec)
+            return schema, records_from_iterable(schema, source), None
+        from yogastore import tf as ytf
+
+        schema = ytf.schema_from_element_spec(spec)
+        return schema, records_from_iterable(schema, ytf.numpy_records(source)), spec
+
+    def cacheable(
+        self, dataset_id: str, version: str = "1", **options: Any
+    ) -> Callable[[Callable[[], Any]], Callable[[], DatasetRef]]:
+        """Decorator form of ``cache``: calling the decorated function returns the ref."""
+
+        def decorate(fn: Callable[[], Any]) -> Callable[[], DatasetRef]:
+            @functools.wraps(fn)
+            def wrapper() -> DatasetRef:
+                return self.cache(dataset_id, version, fn, **options)
+
+            return wrapper
+
+        return decorate
+
+    def list(self) -> list[DatasetInfo]:
+        """Return every committed dataset version in this store."""
+        out = []
+        for key in self.backend.list(""):
+            parts = key.split("/")
+            if len(parts) != 3 or parts[2] != MANIFEST:
+                continue
+            try:
+                manifest = self._read_manifest(parts[0], parts[1])
+            except CorruptCacheError as err:
+                logger.warning("skipping %s: %s", key, err)
+                continue
+            if manifest is not None:
+                out.append(
+                    DatasetInfo(manifest.dataset_id, manifest.version, manifest.num_records, manifest.nbytes)
+                )
+        return out
+
+    def delete(self, dataset_id: str, version: str = "1") -> None:
+        """Delete a dataset version (manifest first, so readers never see half of it)."""
+        validate_name(dataset_id, "dataset id")
+        validate_name(version, "version")
+        prefix = f"{dataset_id}/{version}/"
+        if not self.backend.exists(prefix + MANIFEST):
+            raise DatasetNotFoundError(f"no dataset {dataset_id!r} version {version!r} in {self.url}")
+        with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
+            self.backend.delete(prefix + MANIFEST)
+            self.backend.delete_prefix(prefix)
+
+    def copy(self, dataset_id: str, version: str = "1", *, to: Store) -> DatasetRef:
+        """Copy a dataset version to another store, verifying every chunk's checksum."""
+        from yogastore.manifest import checksum
+
+        ref = self.open(dataset_id, version)
+        if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
+            return to.open(dataset_id, version)
+        with to.backend.lock(f"{dataset_id}/{version}", timeout=to.lock_timeout):
+            to.backend.delete_prefix(f"{dataset_id}/{version}/")
+            for i, info in enumerate(ref.manifest.chunks):
+                data = bytes(self.backend.get(info.key))
+                if checksum(data) != info.checksum:
+                    raise CorruptCacheError(
+                        f"{ref.manifest.where} chunk {i} ({info.key}): checksum mismatch while copying"
+                    )
+                to.backend.put(info.key, data)
+            to.backend.put_exclusive(f"{dataset_id}/{version}/{MANIFEST}", ref.manifest.to_json())
+        return to.open(dataset_id, version)
+
+
+def _contains_component_spec(spec: Any) -> bool:
+    if isinstance(spec, ComponentSpec):
+        return True
+    if isinstance(spec, dict):
+        return any(_contains_component_spec(v) for v in spec.values())
+    if isinstance(spec, tuple | list):
+        return any(_contains_component_spec(v) for v in spec)
+    return False

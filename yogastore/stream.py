@@ -1,0 +1,355 @@
+"""A rank's stream of records: order + reader + assembly, with prefetch.
+
+``Stream`` is what ``DatasetRef.stream`` and ``DatasetRef.resume`` return. It
+is a finite (or, with ``num_epochs=None``, endless) sequence of records: the
+rank's span of each epoch's global order, epoch after epoch. Iterating yields
+numpy elements; ``batches`` yields numpy batches (the fast path);
+``to_tf_dataset`` hands the same batches to ``tf.data``; ``state`` says where
+the stream is after ``k`` records so it can be resumed exactly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from storage_backends.errors import InvalidArgumentError
+from yogastore.assemble import batch_components, element_components
+from yogastore.order import (
+    BlockShuffleOrder,
+    EpochOrder,
+    GlobalShuffleOrder,
+    Interval,
+    SequentialOrder,
+    Shuffle,
+    intervals_length,
+    remaining_after,
+    slice_intervals,
+    split_intervals,
+)
+
+if TYPE_CHECKING:
+    from yogastore.reader import ChunkSource
+    from yogastore.store import DatasetRef
+
+__all__ = ["Stream", "StreamState"]
+
+IntArray = npt.NDArray[np.int64]
+_STATE_VERSION = 1
+_INTERNAL_BATCH = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StreamState:
+    """Where an epoch stands: which positions of it are not consumed yet.
+
+    Small and JSON-serialisable; take it with ``Stream.state(consumed=k)`` and
+    resume with ``DatasetRef.resume(state, shard_rank, num_shards)``, with any
+    number of shards.
+    """
+
+    dataset: str
+    num_records: int
+    seed: int
+    epoch: int
+    shuffle: Shuffle
+    block_window: int
+    remaining: tuple[Interval, ...]
+
+    def __post_init__(self) -> None:
+        last = 0
+        for a, b in self.remaining:
+            if not (last <= a < b <= self.num_records):
+                raise InvalidArgumentError(
+                    f"resume state intervals {self.remaining} are not sorted, disjoint "
+                    f"intervals within [0, {self.num_records})"
+                )
+            last = b
+        if self.epoch < 0 or self.block_window < 1 or self.num_records < 0:
+            raise InvalidArgumentError(f"resume state has invalid numbers: {self}")
+
+    @property
+    def remaining_records(self) -> int:
+        """How many records of the epoch are still to be read (by all ranks)."""
+        return intervals_length(self.remaining)
+
+    def to_json(self) -> str:
+        """Return the state as a JSON string."""
+        return json.dumps(
+            {
+                "yogastore_state": _STATE_VERSION,
+                "dataset": self.dataset,
+                "num_records": self.num_records,
+                "seed": self.seed,
+                "epoch": self.epoch,
+                "shuffle": self.shuffle.value,
+                "block_window": self.block_window,
+                "remaining": [list(i) for i in self.remaining],
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StreamState:
+        """Parse a state written by ``to_json``.
+
+        Raises:
+            InvalidArgumentError: the text is not a valid state.
+        """
+        try:
+            doc = json.loads(text)
+            if doc.get("yogastore_state") != _STATE_VERSION:
+                raise ValueError("not a yogastore stream state of a known version")
+            ints = [doc[k] for k in ("num_records", "seed", "epoch", "block_window")]
+            pairs = [tuple(p) for p in doc["remaining"]]
+            if any(
+                isinstance(v, bool) or not isinstance(v, int)
+                for v in [*ints, *itertools.chain.from_iterable(pairs)]
+            ) or any(len(p) != 2 for p in pairs):
+                raise ValueError("numbers must be integers and intervals pairs")
+            return cls(
+                dataset=str(doc["dataset"]),
+                num_records=doc["num_records"],
+                seed=doc["seed"],
+                epoch=doc["epoch"],
+                shuffle=Shuffle(doc["shuffle"]),
+                block_window=doc["block_window"],
+                remaining=tuple((int(a), int(b)) for a, b in pairs),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise InvalidArgumentError(f"invalid stream state {text!r:.200}: {err}") from err
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+class Stream:
+    """One rank's records, epoch after epoch. Build it with ``DatasetRef.stream``."""
+
+    def __init__(
+        self,
+        ref: DatasetRef,
+        *,
+        shard_rank: int,
+        num_shards: int,
+        shuffle: Shuffle,
+        seed: int,
+        epoch: int,
+        start_offset: int,
+        drop_remainder: bool,
+        num_epochs: int | None,
+        block_window: int,
+        first_intervals: tuple[Interval, ...] | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        self.num_shards = _check_int("num_shards", num_shards, 1)
+        self.shard_rank = _check_int("shard_rank", shard_rank, 0)
+        if self.shard_rank >= self.num_shards:
+            raise InvalidArgumentError(
+                f"shard_rank {shard_rank} must be < num_shards {num_shards}"
+            )
+        self.seed = _check_int("seed", seed, 0)
+        self.epoch = _check_int("epoch", epoch, 0)
+        self.start_offset = _check_int("start_offset", start_offset, 0)
+        self.num_epochs = None if num_epochs is None else _check_int("num_epochs", num_epochs, 0)
+        self.block_window = _check_int("block_window", block_window, 1)
+        self.prefetch = _check_int("prefetch", prefetch, 0)
+        if not isinstance(shuffle, Shuffle):
+            raise InvalidArgumentError(f"shuffle must be a Shuffle, got {shuffle!r}")
+        self.shuffle = shuffle
+        self.drop_remainder = bool(drop_remainder)
+        self.ref = ref
+        self.num_records = ref.num_records
+        self._first = first_intervals
+        self._source: ChunkSource | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Stream({self.ref.dataset_id!r}/{self.ref.version!r}, rank {self.shard_rank} of "
+            f"{self.num_shards}, shuffle={self.shuffle.name}, seed={self.seed}, "
+            f"epoch={self.epoch}, offset={self.start_offset}, epochs={self.num_epochs})"
+        )
+
+    # Positions -------------------------------------------------------------------
+
+    def _epoch_intervals(self, k: int) -> tuple[Interval, ...]:
+        if k == 0 and self._first is not None:
+            return self._first
+        return ((0, self.num_records),) if self.num_records else ()
+
+    def _epoch_span(self, k: int) -> list[Interval]:
+        return split_intervals(
+            self._epoch_intervals(k), self.num_shards, self.shard_rank, self.drop_remainder
+        )
+
+    def _epoch_length(self, k: int) -> int:
+        return intervals_length(self._epoch_span(k))
+
+    def order(self, epoch: int) -> EpochOrder:
+        """Return the global order of ``epoch`` (positions -> record indices)."""
+        if self.shuffle is Shuffle.NONE:
+            return SequentialOrder(self.num_records)
+        if self.shuffle is Shuffle.GLOBAL:
+            return GlobalShuffleOrder(self.num_records, self.seed, epoch)
+        sizes = [c.count for c in self.ref.manifest.chunks]
+        return BlockShuffleOrder(sizes, self.seed, epoch, self.block_window)
+
+    def __len__(self) -> int:
+        if self.num_epochs is None:
+            raise TypeError("an endless stream (num_epochs=None) has no length")
+        total = sum(self._epoch_length(k) for k in range(min(self.num_epochs, 1)))
+        if self.num_epochs > 1:
+            total += (self.num_epochs - 1) * self._epoch_length(1)
+        return max(total - self.start_offset, 0)
+
+    def _locate(self, consumed: int) -> tuple[int, int]:
+        """Return (epoch index k, offset in k's span) after ``consumed`` records."""
+        k, left = 0, consumed
+        while self.num_epochs is None or k < self.num_epochs:
+            length = self._epoch_length(k)
+            if left < length or (length == 0 and k > 0):
+                return k, left
+            left -= length
+            k += 1
+        return k, 0
+
+    def _record_pieces(self) -> Iterator[IntArray]:
+        """Yield this rank's record indices in stream order, in pieces."""
+        k, offset = self._locate(self.start_offset)
+        while self.num_epochs is None or k < self.num_epochs:
+            span = self._epoch_span(k)
+            length = intervals_length(span)
+            if length == 0 and k > 0:
+                return  # every later epoch is empty too
+            order = self.order(self.epoch + k)
+            pos = offset
+            while pos < length:
+                end = min(pos + _INTERNAL_BATCH * 4, length)
+                positions = np.concatenate(
+                    [np.arange(a, b, dtype=np.int64) for a, b in slice_intervals(span, pos, end)]
+                )
+                yield order.records(positions)
+                pos = end
+            k, offset = k + 1, 0
+
+    def record_indices(self, batch_size: int) -> Iterator[IntArray]:
+        """Yield this rank's record indices in batches of ``batch_size`` (last may be short)."""
+        batch_size = _check_int("batch_size", batch_size, 1)
+        pending: list[IntArray] = []
+        have = 0
+        for piece in self._record_pieces():
+            pending.append(piece)
+            have += len(piece)
+            while have >= batch_size:
+                merged = np.concatenate(pending)
+                yield merged[:batch_size]
+                rest = merged[batch_size:]
+                pending, have = ([rest] if len(rest) else []), len(rest)
+        if have:
+            yield np.concatenate(pending)
+
+    # Reading ---------------------------------------------------------------------
+
+    @property
+    def source(self) -> ChunkSource:
+        """The chunk source this stream reads through (created on first use)."""
+        if self._source is None:
+            self._source = self.ref.make_source()
+        return self._source
+
+    def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
+        """Yield ``(records, column batches)``, reading ahead on a background thread."""
+        indices = self.record_indices(batch_size)
+        if drop_remainder:
+            indices = (r for r in indices if len(r) == batch_size)
+        source = self.source
+        if self.prefetch == 0:
+            for records in indices:
+                yield records, source.gather(records)
+            return
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="yogastore") as pool:
+            window: list[tuple[IntArray, concurrent.futures.Future[Any]]] = []
+            for records in indices:
+                window.append((records, pool.submit(source.gather, records)))
+                if len(window) > self.prefetch:
+                    records0, fut = window.pop(0)
+                    yield records0, fut.result()
+            for records0, fut in window:
+                yield records0, fut.result()
+
+    def __iter__(self) -> Iterator[Any]:
+        schema = self.ref.schema
+        for _records, cols in self.column_batches(_INTERNAL_BATCH):
+            for i in range(len(cols[0]) if cols else 0):
+                yield schema.pack(element_components(schema, cols, i))
+
+    def batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
+        """Yield numpy batches of ``batch_size`` records (the fast path).
+
+        Fixed-shape components are stacked arrays ``[B, ...]``; ragged and
+        sparse components are ``RaggedValue``/``SparseValue`` with a leading
+        batch dimension, as ``tf.data.Dataset.batch`` would make them.
+        """
+        schema = self.ref.schema
+        where = self.ref.manifest.where
+        for _records, cols in self.column_batches(batch_size, drop_remainder):
+            yield schema.pack(batch_components(schema, cols, where))
+
+    def to_tf_dataset(
+        self, batch_size: int | None = None, drop_remainder: bool = False
+    ) -> Any:
+        """Return a ``tf.data.Dataset`` of this stream (batched if ``batch_size``).
+
+        Its ``element_spec`` equals the cached dataset's (batched like
+        ``Dataset.batch(batch_size, drop_remainder)``).
+        """
+        from yogastore import tf as ytf
+
+        return ytf.to_tf_dataset(self, batch_size, drop_remainder)
+
+    def stats(self) -> dict[str, int]:
+        """Return read counters: records, batches, bytes fetched, requests, cache hits."""
+        return self.source.stats.as_dict() if self._source is not None else {}
+
+    # Position --------------------------------------------------------------------
+
+    def state(self, consumed: int) -> StreamState:
+        """Return where this stream stands after yielding ``consumed`` records.
+
+        The state assumes every rank consumed the same number of records of
+        the current epoch (true in synchronous training); it lists every
+        position of the epoch no rank has consumed yet.
+        """
+        consumed = _check_int("consumed", consumed, 0)
+        k, left = 0, self.start_offset + consumed
+        while True:
+            length = self._epoch_length(k)
+            if left <= length or (length == 0 and k > 0):
+                break
+            left -= length
+            k += 1
+        # A rank that finished its span may still see other ranks' last records.
+        remaining = tuple(
+            remaining_after(self._epoch_intervals(k), self.num_shards, self.drop_remainder, left)
+        )
+        if not remaining:
+            k, remaining = k + 1, self._epoch_intervals(k + 1)
+        return StreamState(
+            dataset=self.ref.fingerprint,
+            num_records=self.num_records,
+            seed=self.seed,
+            epoch=self.epoch + k,
+            shuffle=self.shuffle,
+            block_window=self.block_window,
+            remaining=remaining,
+        )

@@ -1,0 +1,246 @@
+"""TensorFlow adapters: the only module that imports TensorFlow.
+
+* ``schema_from_element_spec`` / ``element_spec_from_schema``: tf.data specs
+  <-> yogastore schemas.
+* ``dataset_items``: the first pass over a ``tf.data.Dataset``, batched when
+  every component has a fixed shape.
+* ``to_tf_dataset``: a stream as a ``tf.data.Dataset``; one Python call per
+  batch hands flat numpy arrays to TensorFlow and a graph-mode ``map``
+  rebuilds ragged and sparse components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorflow as tf
+
+from storage_backends.errors import UnsupportedElementError
+from yogastore.assemble import batch_components, element_components
+from yogastore.spec import (
+    ComponentSpec,
+    Kind,
+    RaggedValue,
+    Schema,
+    SparseValue,
+    dtype_name,
+    flatten_structure,
+    leaf_paths,
+)
+
+if TYPE_CHECKING:
+    from yogastore.stream import Stream
+
+__all__ = [
+    "dataset_items",
+    "element_spec_from_schema",
+    "numpy_records",
+    "schema_from_element_spec",
+    "to_tf_dataset",
+]
+
+_FIRST_PASS_BATCH = 512
+_UNBATCH_INTERNAL = 256
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, tf.TypeSpec)
+
+
+def _component(spec: Any, path: str) -> ComponentSpec:
+    try:
+        if isinstance(spec, tf.TensorSpec):
+            return ComponentSpec(shape=_dims(spec.shape, path), dtype=dtype_name(spec.dtype))
+        if isinstance(spec, tf.RaggedTensorSpec):
+            return ComponentSpec(
+                shape=_dims(spec.shape, path),
+                dtype=dtype_name(spec.dtype),
+                kind=Kind.RAGGED,
+                ragged_rank=spec.ragged_rank,
+                row_splits_dtype=spec.row_splits_dtype.name,
+            )
+        if isinstance(spec, tf.SparseTensorSpec):
+            return ComponentSpec(
+                shape=_dims(spec.shape, path), dtype=dtype_name(spec.dtype), kind=Kind.SPARSE
+            )
+    except UnsupportedElementError as err:
+        raise UnsupportedElementError(f"component {path!r}: {err}") from err
+    raise UnsupportedElementError(
+        f"component {path!r} is a {type(spec).__name__}; supported: tf.Tensor, "
+        "tf.RaggedTensor, tf.SparseTensor of numeric, bool or string dtype"
+    )
+
+
+def _dims(shape: tf.TensorShape, path: str) -> tuple[int | None, ...]:
+    if shape.rank is None:
+        raise UnsupportedElementError(f"component {path!r} has unknown rank")
+    return tuple(shape.as_list())
+
+
+def schema_from_element_spec(element_spec: Any) -> Schema:
+    """Return the schema of a ``tf.data`` element_spec (or raise UnsupportedElementError)."""
+    structure, leaves = flatten_structure(element_spec, _is_spec)
+    paths = tuple(leaf_paths(structure, len(leaves)))
+    comps = tuple(_component(s, p) for s, p in zip(leaves, paths, strict=True))
+    return Schema(structure, comps, paths)
+
+
+def _tf_dtype(name: str) -> tf.DType:
+    return tf.string if name == "string" else tf.as_dtype(name)
+
+
+def _type_spec(comp: ComponentSpec) -> tf.TypeSpec:
+    dtype = _tf_dtype(comp.dtype)
+    if comp.kind is Kind.TENSOR:
+        return tf.TensorSpec(comp.shape, dtype)
+    if comp.kind is Kind.RAGGED:
+        return tf.RaggedTensorSpec(
+            comp.shape, dtype, ragged_rank=comp.ragged_rank, row_splits_dtype=tf.as_dtype(comp.row_splits_dtype)
+        )
+    return tf.SparseTensorSpec(comp.shape, dtype)
+
+
+def element_spec_from_schema(schema: Schema) -> Any:
+    """Return the ``tf.data`` element_spec a schema describes."""
+    return schema.pack([_type_spec(c) for c in schema.components])
+
+
+# First pass ------------------------------------------------------------------
+
+
+def _to_numpy(value: Any) -> Any:
+    if isinstance(value, tf.RaggedTensor):
+        return RaggedValue(
+            value.flat_values.numpy(), tuple(s.numpy() for s in value.nested_row_splits)
+        )
+    if isinstance(value, tf.SparseTensor):
+        return SparseValue(value.indices.numpy(), value.values.numpy(), value.dense_shape.numpy())
+    if hasattr(value, "flat_values") and hasattr(value, "nested_row_splits"):
+        return RaggedValue(np.asarray(value.flat_values), tuple(np.asarray(s) for s in value.nested_row_splits))
+    if hasattr(value, "indices") and hasattr(value, "dense_shape"):
+        return SparseValue(np.asarray(value.indices), np.asarray(value.values), np.asarray(value.dense_shape))
+    if hasattr(value, "numpy"):
+        return value.numpy()
+    return value
+
+
+def numpy_records(items: Iterable[Any]) -> Iterator[Any]:
+    """Convert elements holding tf values to numpy structures."""
+    for element in items:
+        yield tf.nest.map_structure(_to_numpy, element)
+
+
+def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
+    """Iterate a dataset for caching: whole batches when every component is fixed."""
+    from yogastore.writer import component_columns
+
+    if all(c.fixed for c in schema.components):
+        batched = ds.batch(_FIRST_PASS_BATCH).prefetch(2)
+        for batch in batched.as_numpy_iterator():
+            yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
+        return
+    for element in numpy_records(ds.prefetch(64)):
+        values: list[Any] = []
+        for comp, leaf, path in zip(schema.components, schema.flatten(_plain(element)), schema.paths, strict=True):
+            values.extend(component_columns(comp, leaf, path))
+        yield "record", values
+
+
+def _plain(element: Any) -> Any:
+    """Turn namedtuples and dicts from tf into plain nests the schema can walk."""
+    return tf.nest.map_structure(_to_numpy, element)
+
+
+# Reading ---------------------------------------------------------------------
+
+
+def _wire(comp: ComponentSpec, value: Any, batched: bool) -> list[Any]:
+    if comp.kind is Kind.TENSOR:
+        return [value]
+    if comp.kind is Kind.RAGGED:
+        if isinstance(value, RaggedValue):
+            return [value.flat_values, *value.nested_row_splits]
+        return [value]
+    return [value.indices, value.values, value.dense_shape]
+
+
+def _wire_specs(comp: ComponentSpec, batch: int | None, batched: bool) -> list[tf.TensorSpec]:
+    dtype = _tf_dtype(comp.dtype)
+    lead = [batch] if batched else []
+    if comp.kind is Kind.TENSOR:
+        return [tf.TensorSpec([*lead, *comp.shape], dtype)]
+    if comp.kind is Kind.RAGGED:
+        r = comp.ragged_rank
+        inner = list(comp.shape[r + 1 :])
+        splits = tf.as_dtype(comp.row_splits_dtype)
+        if not batched and r == 0:
+            return [tf.TensorSpec(list(comp.shape), dtype)]
+        nsplits = r + 1 if batched else r
+        return [tf.TensorSpec([None, *inner], dtype)] + [tf.TensorSpec([None], splits)] * nsplits
+    rank = len(comp.shape)
+    extra = 1 if batched else 0
+    return [
+        tf.TensorSpec([None, rank + extra], tf.int64),
+        tf.TensorSpec([None], dtype),
+        tf.TensorSpec([rank + extra], tf.int64),
+    ]
+
+
+def _rebuild(schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: bool) -> Any:
+    out: list[Any] = []
+    i = 0
+    for comp in schema.components:
+        n = len(_wire_specs(comp, batch, batched))
+        parts = wire[i : i + n]
+        i += n
+        if comp.kind is Kind.TENSOR or (comp.kind is Kind.RAGGED and n == 1):
+            out.append(parts[0])
+        elif comp.kind is Kind.RAGGED:
+            rt = tf.RaggedTensor.from_nested_row_splits(parts[0], list(parts[1:]), validate=False)
+            shape = [batch, *comp.shape] if batched else list(comp.shape)
+            rt._set_shape(shape)  # noqa: SLF001 - restores the static dims tf.data expects
+            out.append(rt)
+        else:
+            st = tf.SparseTensor(parts[0], parts[1], parts[2])
+            st.set_shape([batch, *comp.shape] if batched else list(comp.shape))
+            out.append(st)
+    return schema.pack(out)
+
+
+def to_tf_dataset(stream: Stream, batch_size: int | None, drop_remainder: bool = False) -> tf.data.Dataset:
+    """Return ``stream`` as a ``tf.data.Dataset`` (see ``Stream.to_tf_dataset``)."""
+    schema = stream.ref.schema
+    where = stream.ref.manifest.where
+    unbatch = batch_size is None
+    if unbatch and not all(c.fixed for c in schema.components):
+        return _per_element_dataset(stream, schema)
+    size = _UNBATCH_INTERNAL if batch_size is None else batch_size
+    static = size if (drop_remainder and not unbatch) else None
+    specs = tuple(s for c in schema.components for s in _wire_specs(c, static, True))
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
+            comps = batch_components(schema, cols, where)
+            yield tuple(w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v, True))
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = ds.map(lambda *w: _rebuild(schema, w, static, True), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if unbatch:
+        ds = ds.unbatch()
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
+    specs = tuple(s for c in schema.components for s in _wire_specs(c, None, False))
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        for _records, cols in stream.column_batches(_UNBATCH_INTERNAL):
+            for i in range(len(cols[0]) if cols else 0):
+                comps = element_components(schema, cols, i)
+                yield tuple(w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v, False))
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = ds.map(lambda *w: _rebuild(schema, w, None, False), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
