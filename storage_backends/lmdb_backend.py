@@ -77,9 +77,24 @@ class _Env:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    return bool(txn.put(key, data, overwrite=overwrite))
+                    done = bool(txn.put(key, data, overwrite=overwrite))
+                break
             except lmdb.MapFullError:
                 self._grow()
+        self.refresh()
+        return done
+
+    def delete(self, key: bytes) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.delete(key)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Make later reads see this process's writes; earlier views stay valid."""
+        with self.mutex:
+            if self.txn is not None:
+                self.retired.append(self.txn)
+                self.txn = None
 
     def _grow(self) -> None:
         with self.mutex:
@@ -217,8 +232,7 @@ class LmdbBackend(Backend):
         path, name = self._split(key)
         env = self._env(path, create=False)
         if env is not None:
-            with env.env.begin(write=True) as txn:
-                txn.delete(name)
+            env.delete(name)
 
     def _delete_prefix(self, prefix: str) -> None:
         base = self.root / prefix.rstrip("/")

@@ -327,7 +327,10 @@ class Schema:
         if not isinstance(paths, list) or len(paths) != len(comps):
             raise CorruptCacheError(f"{where}: schema paths do not match its components")
         seen: set[int] = set()
-        _check_structure(obj.get("structure"), len(comps), seen)
+        try:
+            _check_structure(obj.get("structure"), len(comps), seen)
+        except CorruptCacheError as err:
+            raise CorruptCacheError(f"{where}: {err}") from err
         if len(seen) != len(comps):
             raise CorruptCacheError(f"{where}: nest structure does not use every component")
         return cls(obj["structure"], comps, tuple(str(p) for p in paths))
