@@ -128,7 +128,7 @@ grep -q 'xla_mpi_ops\.cc' "$TF_CMAKE" \
 sed -i '/xla_mpi_ops\.cc/d' "$TF_CMAKE"
 log "patched: removed xla_mpi_ops.cc from horovod/tensorflow/CMakeLists.txt"
 
-log "building wheel (${BUILD_JOBS} jobs; takes ~10 min on 2 cores; log: $BUILD_LOG)"
+log "building wheel (${BUILD_JOBS} jobs; a few minutes on 2 cores; log: $BUILD_LOG)"
 start=$SECONDS
 if ! env \
         HOROVOD_WITH_TENSORFLOW=1 \
@@ -140,6 +140,8 @@ if ! env \
         CMAKE_BUILD_PARALLEL_LEVEL="${BUILD_JOBS}" \
         "$PYTHON" -m pip --disable-pip-version-check wheel -v --no-deps --no-build-isolation \
             -w "$WORK/dist" "$SRC" >>"$BUILD_LOG" 2>&1; then
+    echo "----- first errors in $BUILD_LOG -----" >&2
+    grep -n -m 20 -E 'error:|CMake Error|Error [0-9]+' "$BUILD_LOG" >&2 || true
     echo "----- last 60 lines of $BUILD_LOG -----" >&2
     tail -n 60 "$BUILD_LOG" >&2
     die "wheel build failed after $((SECONDS - start)) s (full log: $BUILD_LOG)"
