@@ -64,7 +64,9 @@ def main() -> None:
 
     build()
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, __file__, "--rank", str(r)], stdout=subprocess.PIPE, text=True
+        )
         for r in range(NUM_RANKS)
     ]
     results = []
@@ -77,8 +79,9 @@ def main() -> None:
     for r in results:
         rate = len(r["ids"]) / r["seconds"]
         print(
-            f"rank {r['rank']}: {len(r['ids'])} records in {r['seconds']:.2f}s = {rate:,.0f} records/s "
-            f"(tf.data, batch {BATCH}, global shuffle), {r['stats']['bytes_fetched'] / 1e6:.1f} MB mapped"
+            f"rank {r['rank']}: {len(r['ids'])} records in {r['seconds']:.2f}s = "
+            f"{rate:,.0f} records/s (tf.data, batch {BATCH}, global shuffle), "
+            f"{r['stats']['bytes_fetched'] / 1e6:.1f} MB mapped"
         )
         all_ids.extend(r["ids"])
     disjoint = len(set(all_ids)) == len(all_ids)
@@ -97,7 +100,9 @@ def main() -> None:
     before = {i for r in results for i in r["ids"][:consumed]}
     after: list[int] = []
     for rank in range(3):
-        stream = ref.resume(yogastore.StreamState.from_json(state.to_json()), shard_rank=rank, num_shards=3)
+        stream = ref.resume(
+            yogastore.StreamState.from_json(state.to_json()), shard_rank=rank, num_shards=3
+        )
         ids = [int(i) for b in stream.batches(BATCH) for i in b["id"]]
         print(f"  resumed rank {rank} of 3: {len(ids)} records")
         after.extend(ids)

@@ -9,6 +9,7 @@ primitive fails at construction (``abc``), not at first call.
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 import re
 from collections.abc import Iterator, Sequence
@@ -26,7 +27,7 @@ _FORBIDDEN = re.compile(r"[\\\x00]")
 
 
 def check_key(key: str) -> str:
-    """Validate a backend key and return it.
+    r"""Validate a backend key and return it.
 
     Keys are ``/``-separated parts of printable characters other than ``\\``;
     no part may be empty, ``.`` or ``..``.
@@ -134,7 +135,9 @@ class Backend(abc.ABC):
             raise InvalidArgumentError("delete_prefix needs a non-empty prefix")
         self._delete_prefix(_check_prefix(prefix))
 
-    def lock(self, name: str, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+    def lock(
+        self, name: str, timeout: float | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """Return a context manager holding an exclusive, crash-released lock.
 
         Args:
@@ -157,7 +160,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _get_range(self, key: str, start: int, length: int) -> Buffer: ...
 
-    def _get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[Buffer]:
+    def _get_ranges(
+        self, key: str, ranges: builtins.list[tuple[int, int]]
+    ) -> builtins.list[Buffer]:
         return [self.get_range(key, s, n) for s, n in ranges]
 
     @abc.abstractmethod
@@ -173,7 +178,7 @@ class Backend(abc.ABC):
     def _size(self, key: str) -> int: ...
 
     @abc.abstractmethod
-    def _list(self, prefix: str) -> Iterator[str] | list[str]: ...
+    def _list(self, prefix: str) -> Iterator[str] | builtins.list[str]: ...
 
     @abc.abstractmethod
     def _delete(self, key: str) -> None: ...

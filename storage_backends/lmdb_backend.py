@@ -71,7 +71,7 @@ class _Env:
                 self.retired.append(self.txn)
                 self.txn = self.env.begin(buffers=True)
                 value = self.txn.get(key)
-            return value
+            return value if value is None else memoryview(value)
 
     def write(self, key: bytes, data: bytes | memoryview, overwrite: bool) -> bool:
         while True:
@@ -168,7 +168,9 @@ class LmdbBackend(Backend):
             try:
                 env = _Env(path, create=create)
             except lmdb.Error as err:
-                raise StorageError(errno.EIO, f"cannot open LMDB environment {path}: {err}") from err
+                raise StorageError(
+                    errno.EIO, f"cannot open LMDB environment {path}: {err}"
+                ) from err
             _ENVS[str(path)] = env
             return env
 

@@ -17,7 +17,10 @@ import yogastore
 
 pytestmark = pytest.mark.multiprocess
 
-SPEC = {"x": yogastore.ComponentSpec(shape=(64,), dtype="uint8"), "i": yogastore.ComponentSpec(shape=(), dtype="int64")}
+SPEC = {
+    "x": yogastore.ComponentSpec(shape=(64,), dtype="uint8"),
+    "i": yogastore.ComponentSpec(shape=(), dtype="int64"),
+}
 N = 3000
 
 
@@ -47,7 +50,9 @@ def test_four_processes_build_once(tmp_path: Path) -> None:
     barrier = ctx.Barrier(4)
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_build_and_read, args=(str(tmp_path / "store"), str(count_file), barrier, out))
+        ctx.Process(
+            target=_build_and_read, args=(str(tmp_path / "store"), str(count_file), barrier, out)
+        )
         for _ in range(4)
     ]
     for p in procs:

@@ -77,7 +77,11 @@ def _rewrite_chunk(root: Path, index: int, edit: Callable[[bytearray], bytearray
     row = doc["chunks"][index]
     data = edit(bytearray(store.backend.get(row["key"])))
     store.backend.put(row["key"], bytes(data))
-    row.update(nbytes=len(data), checksum=checksum(bytes(data)), index_checksum=checksum(bytes(data[: row["index_bytes"]])))
+    row.update(
+        nbytes=len(data),
+        checksum=checksum(bytes(data)),
+        index_checksum=checksum(bytes(data[: row["index_bytes"]])),
+    )
     store.backend.put(key, json.dumps(doc).encode())
 
 
@@ -104,14 +108,38 @@ def _poke_offsets(data: bytearray) -> bytearray:
 
 
 MANIFEST_EDITS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
-    ("chunk-past-end", lambda d: d["chunks"][0].update(nbytes=d["chunks"][0]["nbytes"] + 4096), "bytes"),
+    (
+        "chunk-past-end",
+        lambda d: d["chunks"][0].update(nbytes=d["chunks"][0]["nbytes"] + 4096),
+        "bytes",
+    ),
     ("index-past-chunk", lambda d: d["chunks"][0].update(index_bytes=10**9), "index"),
     ("count-mismatch", lambda d: d.update(num_records=d["num_records"] + 1), "covers"),
-    ("chunk-count-lies", lambda d: (d["chunks"][0].update(count=d["chunks"][0]["count"] + 1), d["chunks"][1].update(first=d["chunks"][1]["first"] + 1, count=d["chunks"][1]["count"] - 1)), "records"),
+    (
+        "chunk-count-lies",
+        lambda d: (
+            d["chunks"][0].update(count=d["chunks"][0]["count"] + 1),
+            d["chunks"][1].update(
+                first=d["chunks"][1]["first"] + 1, count=d["chunks"][1]["count"] - 1
+            ),
+        ),
+        "records",
+    ),
     ("key-outside-dataset", lambda d: d["chunks"][0].update(key="other/1/c-x"), "outside"),
     ("object-dtype", lambda d: d["schema"]["components"][0].update(dtype="object"), "object"),
     ("negative-dim", lambda d: d["schema"]["components"][0].update(shape=[-4]), "component"),
-    ("namedtuple-code", lambda d: d["schema"].update(structure={"type": "namedtuple", "name": "__import__('os').system", "fields": ["a", "b", "c"], "items": d["schema"]["structure"]["items"]}), "identifier"),
+    (
+        "namedtuple-code",
+        lambda d: d["schema"].update(
+            structure={
+                "type": "namedtuple",
+                "name": "__import__('os').system",
+                "fields": ["a", "b", "c"],
+                "items": d["schema"]["structure"]["items"],
+            }
+        ),
+        "identifier",
+    ),
     ("missing-chunk", lambda d: d["chunks"][1].update(key="d/1/c-missing"), "missing"),
     ("bad-checksum-format", lambda d: d["chunks"][0].update(checksum="md5:abc"), "checksum"),
     ("format-version", lambda d: d.update(format_version=99), "format version"),
@@ -119,7 +147,9 @@ MANIFEST_EDITS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
 
 
 @pytest.mark.parametrize("name,edit,message", MANIFEST_EDITS, ids=[m[0] for m in MANIFEST_EDITS])
-def test_hostile_manifest(tmp_path: Path, name: str, edit: Callable[[dict[str, Any]], None], message: str) -> None:
+def test_hostile_manifest(
+    tmp_path: Path, name: str, edit: Callable[[dict[str, Any]], None], message: str
+) -> None:
     build(tmp_path)
     _rewrite_manifest(tmp_path, edit)
     with pytest.raises(yogastore.CorruptCacheError, match=message) as info:
@@ -129,8 +159,16 @@ def test_hostile_manifest(tmp_path: Path, name: str, edit: Callable[[dict[str, A
 
 
 CHUNK_EDITS: list[tuple[str, Callable[[bytearray], bytearray], str]] = [
-    ("region-past-end", _edit_header(lambda h: h["cols"][0].update(data=[h["cols"][0]["data"][0], 10**8])), "outside the chunk"),
-    ("unaligned-region", _edit_header(lambda h: h["cols"][0].update(data=[h["cols"][0]["data"][0] + 3, 16])), "outside the chunk"),
+    (
+        "region-past-end",
+        _edit_header(lambda h: h["cols"][0].update(data=[h["cols"][0]["data"][0], 10**8])),
+        "outside the chunk",
+    ),
+    (
+        "unaligned-region",
+        _edit_header(lambda h: h["cols"][0].update(data=[h["cols"][0]["data"][0] + 3, 16])),
+        "outside the chunk",
+    ),
     ("record-count", _edit_header(lambda h: h.update(k=h["k"] + 1)), "records"),
     ("missing-column", _edit_header(lambda h: h["cols"].pop()), "columns"),
     ("offsets-jump", _poke_offsets, "offsets"),

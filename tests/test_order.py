@@ -35,9 +35,7 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, yogasto
 
     class Lazy(dict[int, yogastore.DatasetRef]):
         def __missing__(self, n: int) -> yogastore.DatasetRef:
-            ref = store.cache(
-                f"n{n}", "1", lambda: (np.int64(i) for i in range(n)), spec=SPEC
-            )
+            ref = store.cache(f"n{n}", "1", lambda: (np.int64(i) for i in range(n)), spec=SPEC)
             self[n] = ref
             return ref
 
@@ -111,7 +109,12 @@ def test_block_shuffle_keeps_windows_of_chunks_together() -> None:
 @given(n=sizes, num_shards=shards, seed=seeds, epoch=st.integers(0, 9), shuffle=shuffles)
 @SETTINGS
 def test_global_order_does_not_depend_on_sharding(
-    refs: dict[int, yogastore.DatasetRef], n: int, num_shards: int, seed: int, epoch: int, shuffle: Shuffle
+    refs: dict[int, yogastore.DatasetRef],
+    n: int,
+    num_shards: int,
+    seed: int,
+    epoch: int,
+    shuffle: Shuffle,
 ) -> None:
     ref = refs[n]
     single = indices(ref.stream(shuffle=shuffle, seed=seed, epoch=epoch))
@@ -125,7 +128,10 @@ def test_global_order_does_not_depend_on_sharding(
     assert [i for p in parts for i in p] == single, "ranks take contiguous spans of one order"
     lengths = [len(p) for p in parts]
     assert max(lengths) - min(lengths) <= 1
-    streams = [ref.stream(r, num_shards, shuffle=shuffle, seed=seed, epoch=epoch) for r in range(num_shards)]
+    streams = [
+        ref.stream(r, num_shards, shuffle=shuffle, seed=seed, epoch=epoch)
+        for r in range(num_shards)
+    ]
     assert [len(s) for s in streams] == lengths
 
 
@@ -161,7 +167,14 @@ def test_values_match_record_indices(refs: dict[int, yogastore.DatasetRef]) -> N
     assert values(stream) == indices(stream)
 
 
-@given(n=sizes, num_shards=shards, seed=seeds, k=st.integers(0, 700), drop=st.booleans(), shuffle=shuffles)
+@given(
+    n=sizes,
+    num_shards=shards,
+    seed=seeds,
+    k=st.integers(0, 700),
+    drop=st.booleans(),
+    shuffle=shuffles,
+)
 @SETTINGS
 def test_start_offset_skips_exactly(
     refs: dict[int, yogastore.DatasetRef],
@@ -259,7 +272,9 @@ def test_resume_continues_with_following_epochs(
         resumed = ref.resume(state, r, m, num_epochs=3)
         first_len = len(ref.resume(state, r, m, num_epochs=1))
         later = indices(resumed)[first_len:]
-        expected = indices(ref.stream(r, m, shuffle=shuffle, seed=seed, epoch=state.epoch + 1, num_epochs=2))
+        expected = indices(
+            ref.stream(r, m, shuffle=shuffle, seed=seed, epoch=state.epoch + 1, num_epochs=2)
+        )
         assert later == expected
 
 
@@ -277,7 +292,12 @@ def test_state_json_round_trip_and_validation(refs: dict[int, yogastore.DatasetR
     ref = refs[30]
     state = ref.stream(1, 4, seed=2).state(consumed=3)
     assert yogastore.StreamState.from_json(state.to_json()) == state
-    for bad in ["{}", "not json", '{"yogastore_state": 1}', state.to_json().replace('"epoch":0', '"epoch":-1')]:
+    for bad in [
+        "{}",
+        "not json",
+        '{"yogastore_state": 1}',
+        state.to_json().replace('"epoch":0', '"epoch":-1'),
+    ]:
         with pytest.raises(yogastore.InvalidArgumentError):
             yogastore.StreamState.from_json(bad)
     other = refs[31]

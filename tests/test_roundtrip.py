@@ -48,13 +48,19 @@ def _values(dtype: tf.DType, shape: tuple[int, ...], seed: int) -> np.ndarray:
 def assert_same(a: Any, b: Any) -> None:
     """Compare two tf.data elements exactly (values, dtypes, static structure)."""
     tf.nest.assert_same_structure(a, b, expand_composites=True)
-    for x, y in zip(tf.nest.flatten(a, expand_composites=True), tf.nest.flatten(b, expand_composites=True), strict=True):
+    for x, y in zip(
+        tf.nest.flatten(a, expand_composites=True),
+        tf.nest.flatten(b, expand_composites=True),
+        strict=True,
+    ):
         assert x.dtype == y.dtype
         assert x.shape == y.shape
         assert np.array_equal(x.numpy(), y.numpy())
 
 
-def roundtrip(tmp_path: Path, ds: tf.data.Dataset, batch_size: int | None = None) -> tuple[list[Any], list[Any]]:
+def roundtrip(
+    tmp_path: Path, ds: tf.data.Dataset, batch_size: int | None = None
+) -> tuple[list[Any], list[Any]]:
     store = yogastore.Store(tmp_path / "s", chunk_bytes=512)
     ref = store.cache("rt", "1", lambda: ds)
     reopened = yogastore.Store(tmp_path / "s").open("rt", "1")
@@ -80,7 +86,10 @@ def test_nested_structures_and_strings(tmp_path: Path) -> None:
     ds = tf.data.Dataset.from_tensor_slices(
         {
             "image": np.arange(n * 6, dtype=np.uint8).reshape(n, 2, 3),
-            "meta": (np.arange(n, dtype=np.int32), np.array([f"name-{i}".encode() * (i % 4) for i in range(n)])),
+            "meta": (
+                np.arange(n, dtype=np.int32),
+                np.array([f"name-{i}".encode() * (i % 4) for i in range(n)]),
+            ),
             "point": Point(np.linspace(0, 1, n, dtype=np.float32), np.arange(n, dtype=np.int64)),
             "flag": np.arange(n) % 3 == 0,
         }
@@ -101,9 +110,12 @@ def _varied() -> tf.data.Dataset:
                 "strings": np.array([b"x" * j for j in range(i % 4)], dtype=object),
                 "ragged": tf.ragged.constant([[i] * (i % 3), [], [i, i + 1]], dtype=tf.int64),
                 "ragged2": tf.RaggedTensor.from_nested_row_splits(
-                    tf.constant([float(i)] * 4), [tf.constant([0, 1, 2], tf.int64), tf.constant([0, 3, 4], tf.int64)]
+                    tf.constant([float(i)] * 4),
+                    [tf.constant([0, 1, 2], tf.int64), tf.constant([0, 3, 4], tf.int64)],
                 ),
-                "sparse": tf.sparse.SparseTensor([[0, i % 7], [1, 2]], [str(i).encode(), b"s"], [2, 7]),
+                "sparse": tf.sparse.SparseTensor(
+                    [[0, i % 7], [1, 2]], [str(i).encode(), b"s"], [2, 7]
+                ),
                 "sparse_num": tf.sparse.SparseTensor(
                     np.array([[j] for j in range(i % 4)], dtype=np.int64).reshape(-1, 1),
                     np.arange(i % 4, dtype=np.float64),
@@ -130,7 +142,9 @@ def test_ragged_sparse_and_variable_shapes(tmp_path: Path) -> None:
 
 
 def test_ragged_and_sparse_batches(tmp_path: Path) -> None:
-    ds = _varied().map(lambda e: {"ragged": e["ragged"], "ragged2": e["ragged2"], "sparse": e["sparse"]})
+    ds = _varied().map(
+        lambda e: {"ragged": e["ragged"], "ragged2": e["ragged2"], "sparse": e["sparse"]}
+    )
     expected, got = roundtrip(tmp_path, ds, batch_size=5)
     for a, b in zip(expected, got, strict=True):
         assert_same(a, b)
@@ -153,8 +167,12 @@ def test_numpy_iterable_with_component_specs(tmp_path: Path) -> None:
                 "x": np.array([i, -i], dtype=np.float32),
                 "label": f"item {i}",
                 "tokens": np.arange(i % 6, dtype=np.int32),
-                "rows": yogastore.RaggedValue(np.arange(i % 5, dtype=np.int64), (np.array([0, i % 5 // 2, i % 5]),)),
-                "sp": yogastore.SparseValue(np.array([[i % 4]]), np.array([float(i)], np.float32), np.array([4])),
+                "rows": yogastore.RaggedValue(
+                    np.arange(i % 5, dtype=np.int64), (np.array([0, i % 5 // 2, i % 5]),)
+                ),
+                "sp": yogastore.SparseValue(
+                    np.array([[i % 4]]), np.array([float(i)], np.float32), np.array([4])
+                ),
             }
 
     store = yogastore.Store(tmp_path)
@@ -181,7 +199,11 @@ def test_unsupported_elements_name_the_component(tmp_path: Path) -> None:
         store.cache("bad", "1", lambda: windows)
     with pytest.raises(yogastore.UnsupportedElementError, match="object"):
         yogastore.ComponentSpec(shape=(), dtype="object")
-    variant = tf.data.Dataset.from_tensors({"v": tf.constant(1, tf.qint8)}) if hasattr(tf, "qint8") else None
+    variant = (
+        tf.data.Dataset.from_tensors({"v": tf.constant(1, tf.qint8)})
+        if hasattr(tf, "qint8")
+        else None
+    )
     if variant is not None:
         with pytest.raises(yogastore.UnsupportedElementError, match="qint8"):
             store.cache("bad2", "1", lambda: variant)

@@ -10,7 +10,10 @@ import pytest
 
 import yogastore
 
-SPEC = {"x": yogastore.ComponentSpec(shape=(3,), dtype="float32"), "y": yogastore.ComponentSpec(shape=(), dtype="int64")}
+SPEC = {
+    "x": yogastore.ComponentSpec(shape=(3,), dtype="float32"),
+    "y": yogastore.ComponentSpec(shape=(), dtype="int64"),
+}
 
 
 def items(n: int = 50) -> list[dict[str, np.ndarray]]:
@@ -42,7 +45,10 @@ def test_cache_open_list_delete(tmp_path: Path) -> None:
     assert again.num_records == ref.num_records == 50
     store.cache("d", "2", lambda: items(7), spec=SPEC)
     listed = sorted(store.list(), key=lambda i: i.version)
-    assert [(i.dataset_id, i.version, i.num_records) for i in listed] == [("d", "1", 50), ("d", "2", 7)]
+    assert [(i.dataset_id, i.version, i.num_records) for i in listed] == [
+        ("d", "1", 50),
+        ("d", "2", 7),
+    ]
     assert all(i.bytes > 0 for i in listed)
     opened = store.open("d", "1")
     assert [int(e["y"]) for e in opened.stream(shuffle=False)] == list(range(50))

@@ -53,7 +53,9 @@ def _batched_ragged(comp: ComponentSpec, group: list[ColumnBatch], where: str) -
     inner = flat.shapes[:, 1:]
     if b and np.any(inner != inner[:1]):
         raise UnsupportedElementError(f"{where}: ragged inner dimensions differ within a batch")
-    inner_shape = tuple(int(d) for d in inner[0]) if b else tuple(d or 0 for d in flat.spec.shape[1:])
+    inner_shape = (
+        tuple(int(d) for d in inner[0]) if b else tuple(d or 0 for d in flat.spec.shape[1:])
+    )
     values = flat.values().reshape(-1, *inner_shape)
     splits: list[np.ndarray] = []
     dtype = np.dtype(comp.row_splits_dtype)
@@ -82,7 +84,8 @@ def _batched_sparse(comp: ComponentSpec, group: list[ColumnBatch]) -> SparseValu
     indices_col, values_col, shape_col = group
     rank = len(comp.shape)
     b = len(indices_col)
-    nnz = np.diff(indices_col.offsets) // max(rank, 1) if indices_col.offsets is not None else []
+    offsets = indices_col.offsets if indices_col.offsets is not None else np.zeros(b + 1, np.int64)
+    nnz = np.diff(offsets) // max(rank, 1)
     ids = np.repeat(np.arange(b, dtype=np.int64), nnz)
     idx = indices_col.data.astype(np.int64).reshape(-1, rank)
     indices = np.concatenate([ids[:, None], idx], axis=1)

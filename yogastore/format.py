@@ -27,6 +27,7 @@ raises ``CorruptCacheError`` naming the chunk and what failed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import struct
 from collections.abc import Sequence
@@ -75,6 +76,11 @@ class ColumnSpec:
     @property
     def np_dtype(self) -> np.dtype[Any]:
         return np.dtype(np.uint8) if self.layout == "bytes" else numpy_dtype(self.dtype)
+
+
+def _dims(col: ColumnSpec) -> tuple[int, ...]:
+    """Return the shape with unknown dimensions as 0 (for empty arrays and products)."""
+    return tuple(d if d is not None else 0 for d in col.shape)
 
 
 def _leaf_column(dtype: str, shape: tuple[int | None, ...]) -> ColumnSpec:
@@ -169,11 +175,13 @@ class ChunkBuilder:
         regions: list[tuple[str, int, np.ndarray | bytes]] = []  # (kind, col, data)
         for i, (col, parts) in enumerate(zip(self.columns, self._parts, strict=True)):
             if col.layout == "fixed":
-                data = np.concatenate(parts) if parts else np.empty((0, *col.shape), col.np_dtype)
+                data = np.concatenate(parts) if parts else np.empty((0, *_dims(col)), col.np_dtype)
                 regions.append(("data", i, np.ascontiguousarray(data, col.np_dtype)))
                 continue
             if col.layout == "var":
-                shapes = np.array([p.shape for p in parts], dtype=_I64).reshape(len(parts), col.ndim)
+                shapes = np.array([p.shape for p in parts], dtype=_I64).reshape(
+                    len(parts), col.ndim
+                )
                 counts = np.array([p.size for p in parts], dtype=_I64)
                 flat = (
                     np.concatenate([p.reshape(-1) for p in parts])
@@ -271,7 +279,11 @@ def parse_header(prefix: bytes | memoryview, total: int, where: str) -> dict[str
     if not isinstance(header, dict) or not isinstance(header.get("cols"), list):
         raise CorruptCacheError(f"{where}: chunk header lacks a column table")
     end = header.get("index_end")
-    if not _is_int(end) or not _PREFIX.size + length <= end <= total:
+    if (
+        not isinstance(end, int)
+        or isinstance(end, bool)
+        or not _PREFIX.size + length <= end <= total
+    ):
         raise CorruptCacheError(f"{where}: chunk index end {end!r} is out of bounds")
     for col in header["cols"]:
         if not isinstance(col, dict):
@@ -372,13 +384,15 @@ class ChunkView:
         bad = f"{self.where}: column {i} ({spec.layout} {spec.dtype})"
         if spec.layout == "fixed":
             data = self._region(buf, regions, "data", spec.np_dtype, i)
-            per = int(np.prod(spec.shape, dtype=np.int64))
+            per = int(np.prod(_dims(spec), dtype=np.int64))
             if data.size != k * per:
                 raise CorruptCacheError(f"{bad}: {data.size} values, expected {k * per}")
-            return _ColumnView(spec, data.reshape(k, *spec.shape))  # type: ignore[arg-type]
+            return _ColumnView(spec, data.reshape(k, *_dims(spec)))
         offsets = self._region(buf, regions, "offsets", _I64, i)
         if offsets.size != k + 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
-            raise CorruptCacheError(f"{bad}: record offsets are not {k + 1} ascending values from 0")
+            raise CorruptCacheError(
+                f"{bad}: record offsets are not {k + 1} ascending values from 0"
+            )
         counts = np.diff(offsets)
         shapes = None
         if spec.has_shapes:
@@ -394,12 +408,14 @@ class ChunkView:
                 or np.any(np.prod(shapes.astype(np.float64), axis=1) != counts)
             ):
                 raise CorruptCacheError(f"{bad}: record shapes disagree with offsets or spec")
-        elif np.any(counts != int(np.prod(spec.shape, dtype=np.int64))):
+        elif np.any(counts != int(np.prod(_dims(spec), dtype=np.int64))):
             raise CorruptCacheError(f"{bad}: record sizes disagree with the fixed shape")
         if spec.layout == "var":
             data = self._region(buf, regions, "data", spec.np_dtype, i)
             if offsets[-1] != data.size:
-                raise CorruptCacheError(f"{bad}: offsets end at {offsets[-1]}, data has {data.size}")
+                raise CorruptCacheError(
+                    f"{bad}: offsets end at {offsets[-1]}, data has {data.size}"
+                )
             return _ColumnView(spec, data, shapes, offsets)
         boffsets = self._region(buf, regions, "boffsets", _I64, i)
         data = self._region(buf, regions, "data", np.uint8, i)
@@ -466,7 +482,7 @@ class ColumnBatch:
         raw = self.data.tobytes()
         bo = self.boffsets.tolist()
         out = np.empty(len(bo) - 1, dtype=object)
-        out[:] = [raw[a:b] for a, b in zip(bo[:-1], bo[1:], strict=True)]
+        out[:] = [raw[a:b] for a, b in itertools.pairwise(bo)]
         return out
 
     def values(self) -> np.ndarray:
@@ -482,8 +498,10 @@ class ColumnBatch:
                 f"{where}: cannot batch records of different shapes into one dense array "
                 f"(as tf.data.Dataset.batch would fail); use batch_size=None or ragged"
             )
-        shape = tuple(int(d) for d in self.shapes[0]) if len(self) else tuple(
-            d or 0 for d in self.spec.shape
+        shape = (
+            tuple(int(d) for d in self.shapes[0])
+            if len(self)
+            else tuple(d or 0 for d in self.spec.shape)
         )
         return self.values().reshape(len(self), *shape)
 
@@ -499,7 +517,7 @@ def gather(
     groups = [(c, np.nonzero(which == c)[0]) for c in np.unique(which)] if n else []
     cols = [views[int(c)].columns[column] for c, _ in groups]
     if spec.layout == "fixed":
-        out = np.empty((n, *cols[0].data.shape[1:]) if cols else (0, *spec.shape), spec.np_dtype)  # type: ignore[misc]
+        out = np.empty((n, *_dims(spec)), spec.np_dtype)
         for col, (_c, sel) in zip(cols, groups, strict=True):
             out[sel] = col.data[local[sel]]
         shapes = np.broadcast_to(np.array(spec.shape, dtype=np.int64), (n, spec.ndim))
@@ -509,13 +527,13 @@ def gather(
     for col, (_c, sel) in zip(cols, groups, strict=True):
         idx = local[sel]
         shapes[sel] = col.record_shapes(idx)
-        assert col.offsets is not None  # noqa: S101 - invariant of var/bytes views
+        assert col.offsets is not None
         counts[sel] = col.offsets[idx + 1] - col.offsets[idx]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     if spec.layout == "var":
         data = np.empty(int(offsets[-1]), dtype=spec.np_dtype)
         for col, (_c, sel) in zip(cols, groups, strict=True):
-            assert col.offsets is not None  # noqa: S101
+            assert col.offsets is not None
             idx = local[sel]
             src = _segments(col.offsets[idx], counts[sel])
             data[_segments(offsets[sel], counts[sel])] = col.data[src]
@@ -525,7 +543,7 @@ def gather(
     lens = np.empty(num_strings, dtype=np.int64)
     plans = []
     for col, (_c, sel) in zip(cols, groups, strict=True):
-        assert col.offsets is not None and col.boffsets is not None  # noqa: S101
+        assert col.offsets is not None and col.boffsets is not None
         src_ids = _segments(col.offsets[local[sel]], counts[sel])
         dst_ids = _segments(offsets[sel], counts[sel])
         lens[dst_ids] = col.boffsets[src_ids + 1] - col.boffsets[src_ids]
@@ -533,7 +551,7 @@ def gather(
     boffsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     data = np.empty(int(boffsets[-1]), dtype=np.uint8)
     for col, src_ids, dst_ids in plans:
-        assert col.boffsets is not None  # noqa: S101
+        assert col.boffsets is not None
         src = _segments(col.boffsets[src_ids], lens[dst_ids])
         data[_segments(boffsets[dst_ids], lens[dst_ids])] = col.data[src]
     return ColumnBatch(spec, data, shapes, offsets, boffsets)

@@ -67,7 +67,9 @@ class ChunkInfo:
 def _int(obj: dict[str, Any], name: str, where: str, low: int = 0) -> int:
     value = obj.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise CorruptCacheError(f"{where}: field {name!r} must be an integer >= {low}, got {value!r}")
+        raise CorruptCacheError(
+            f"{where}: field {name!r} must be an integer >= {low}, got {value!r}"
+        )
     return value
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import keyword
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,7 +58,8 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     if name == "bfloat16":
         import ml_dtypes  # shipped with TensorFlow; needed only for bfloat16
 
-        return np.dtype(ml_dtypes.bfloat16)
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
     if name == STRING:
         return np.dtype(object)
     raise UnsupportedElementError(f"dtype {name!r} is not supported; supported: {sorted(DTYPES)}")
@@ -166,7 +169,7 @@ class RaggedValue:
         """Return the nested Python list this value represents."""
         values: Any = list(self.flat_values)
         for splits in reversed(self.nested_row_splits):
-            values = [values[int(a) : int(b)] for a, b in zip(splits[:-1], splits[1:], strict=True)]
+            values = [values[int(a) : int(b)] for a, b in itertools.pairwise(splits)]
         return values
 
 
@@ -205,14 +208,16 @@ def _namedtuple_class(name: str, fields: tuple[str, ...]) -> type:
             "__new__": __new__,
             "_asdict": lambda self: dict(zip(fields, self, strict=True)),
             "_make": classmethod(lambda klass, it: klass(*it)),
-            "__repr__": lambda self: name
-            + "("
-            + ", ".join(f"{f}={v!r}" for f, v in zip(fields, self, strict=True))
-            + ")",
+            "__repr__": lambda self: (
+                name
+                + "("
+                + ", ".join(f"{f}={v!r}" for f, v in zip(fields, self, strict=True))
+                + ")"
+            ),
             "__getnewargs__": lambda self: tuple(self),
         }
         for i, field in enumerate(fields):
-            namespace[field] = property(lambda self, i=i: tuple.__getitem__(self, i))
+            namespace[field] = property(operator.itemgetter(i))
         cls = type(name, (tuple,), namespace)
         _NAMEDTUPLES[key] = cls
     return cls
@@ -245,7 +250,9 @@ def flatten_structure(value: Any, leaf: Callable[[Any], bool]) -> tuple[Any, lis
             }
         if isinstance(node, tuple | list):
             return {"type": "tuple", "items": [walk(v) for v in node]}
-        raise UnsupportedElementError(f"element part of type {type(node).__name__} is not supported")
+        raise UnsupportedElementError(
+            f"element part of type {type(node).__name__} is not supported"
+        )
 
     return walk(value), leaves
 
@@ -356,7 +363,9 @@ class Schema:
                 return
             if kind == "dict":
                 if not isinstance(value, Mapping) or sorted(value) != node["keys"]:
-                    raise UnsupportedElementError(f"element at {path or 'top'} does not match the spec")
+                    raise UnsupportedElementError(
+                        f"element at {path or 'top'} does not match the spec"
+                    )
                 for k, child in zip(node["keys"], node["items"], strict=True):
                     walk(child, value[k], f"{path}/{k}")
                 return
@@ -376,7 +385,9 @@ def leaf_paths(structure: Any, count: int) -> list[str]:
         if node["type"] == "leaf":
             paths[node["index"]] = path or "<element>"
             return
-        names = node.get("keys") or node.get("fields") or [str(i) for i in range(len(node["items"]))]
+        names = (
+            node.get("keys") or node.get("fields") or [str(i) for i in range(len(node["items"]))]
+        )
         for name, child in zip(names, node["items"], strict=True):
             walk(child, f"{path}/{name}" if path else str(name))
 
@@ -387,4 +398,3 @@ def leaf_paths(structure: Any, count: int) -> list[str]:
 def namedtuple_type(name: str, fields: Sequence[str]) -> type:
     """Public hook for tests: the safe namedtuple class used when reading."""
     return _namedtuple_class(name, tuple(fields))
-

@@ -224,7 +224,9 @@ class Store:
         **backend_options: Any,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise InvalidArgumentError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+            raise InvalidArgumentError(
+                f"chunk_bytes must be a positive integer, got {chunk_bytes!r}"
+            )
         self.url = os.fspath(url) if url is not None else str(default_root())
         self.backend: Backend = open_backend(self.url, **backend_options)
         self.chunk_bytes = chunk_bytes
@@ -374,7 +376,9 @@ class Store:
                 continue
             if manifest is not None:
                 out.append(
-                    DatasetInfo(manifest.dataset_id, manifest.version, manifest.num_records, manifest.nbytes)
+                    DatasetInfo(
+                        manifest.dataset_id, manifest.version, manifest.num_records, manifest.nbytes
+                    )
                 )
         return out
 
@@ -384,7 +388,9 @@ class Store:
         validate_name(version, "version")
         prefix = f"{dataset_id}/{version}/"
         if not self.backend.exists(prefix + MANIFEST):
-            raise DatasetNotFoundError(f"no dataset {dataset_id!r} version {version!r} in {self.url}")
+            raise DatasetNotFoundError(
+                f"no dataset {dataset_id!r} version {version!r} in {self.url}"
+            )
         with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
             self.backend.delete(prefix + MANIFEST)
             self.backend.delete_prefix(prefix)
@@ -402,7 +408,8 @@ class Store:
                 data = bytes(self.backend.get(info.key))
                 if checksum(data) != info.checksum:
                     raise CorruptCacheError(
-                        f"{ref.manifest.where} chunk {i} ({info.key}): checksum mismatch while copying"
+                        f"{ref.manifest.where} chunk {i} ({info.key}): checksum mismatch "
+                        "while copying"
                     )
                 to.backend.put(info.key, data)
             to.backend.put_exclusive(f"{dataset_id}/{version}/{MANIFEST}", ref.manifest.to_json())

@@ -155,9 +155,7 @@ class Stream:
         self.num_shards = _check_int("num_shards", num_shards, 1)
         self.shard_rank = _check_int("shard_rank", shard_rank, 0)
         if self.shard_rank >= self.num_shards:
-            raise InvalidArgumentError(
-                f"shard_rank {shard_rank} must be < num_shards {num_shards}"
-            )
+            raise InvalidArgumentError(f"shard_rank {shard_rank} must be < num_shards {num_shards}")
         self.seed = _check_int("seed", seed, 0)
         self.epoch = _check_int("epoch", epoch, 0)
         self.start_offset = _check_int("start_offset", start_offset, 0)
@@ -305,9 +303,7 @@ class Stream:
         for _records, cols in self.column_batches(batch_size, drop_remainder):
             yield schema.pack(batch_components(schema, cols, where))
 
-    def to_tf_dataset(
-        self, batch_size: int | None = None, drop_remainder: bool = False
-    ) -> Any:
+    def to_tf_dataset(self, batch_size: int | None = None, drop_remainder: bool = False) -> Any:
         """Return a ``tf.data.Dataset`` of this stream (batched if ``batch_size``).
 
         Its ``element_spec`` equals the cached dataset's (batched like

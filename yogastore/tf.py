@@ -97,7 +97,10 @@ def _type_spec(comp: ComponentSpec) -> tf.TypeSpec:
         return tf.TensorSpec(comp.shape, dtype)
     if comp.kind is Kind.RAGGED:
         return tf.RaggedTensorSpec(
-            comp.shape, dtype, ragged_rank=comp.ragged_rank, row_splits_dtype=tf.as_dtype(comp.row_splits_dtype)
+            comp.shape,
+            dtype,
+            ragged_rank=comp.ragged_rank,
+            row_splits_dtype=tf.as_dtype(comp.row_splits_dtype),
         )
     return tf.SparseTensorSpec(comp.shape, dtype)
 
@@ -118,9 +121,13 @@ def _to_numpy(value: Any) -> Any:
     if isinstance(value, tf.SparseTensor):
         return SparseValue(value.indices.numpy(), value.values.numpy(), value.dense_shape.numpy())
     if hasattr(value, "flat_values") and hasattr(value, "nested_row_splits"):
-        return RaggedValue(np.asarray(value.flat_values), tuple(np.asarray(s) for s in value.nested_row_splits))
+        return RaggedValue(
+            np.asarray(value.flat_values), tuple(np.asarray(s) for s in value.nested_row_splits)
+        )
     if hasattr(value, "indices") and hasattr(value, "dense_shape"):
-        return SparseValue(np.asarray(value.indices), np.asarray(value.values), np.asarray(value.dense_shape))
+        return SparseValue(
+            np.asarray(value.indices), np.asarray(value.values), np.asarray(value.dense_shape)
+        )
     if hasattr(value, "numpy"):
         return value.numpy()
     return value
@@ -143,7 +150,9 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         return
     for element in numpy_records(ds.prefetch(64)):
         values: list[Any] = []
-        for comp, leaf, path in zip(schema.components, schema.flatten(_plain(element)), schema.paths, strict=True):
+        for comp, leaf, path in zip(
+            schema.components, schema.flatten(_plain(element)), schema.paths, strict=True
+        ):
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
 
@@ -200,7 +209,7 @@ def _rebuild(schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: 
         elif comp.kind is Kind.RAGGED:
             rt = tf.RaggedTensor.from_nested_row_splits(parts[0], list(parts[1:]), validate=False)
             shape = [batch, *comp.shape] if batched else list(comp.shape)
-            rt._set_shape(shape)  # noqa: SLF001 - restores the static dims tf.data expects
+            rt._set_shape(shape)  # restores the static dims tf.data expects
             out.append(rt)
         else:
             st = tf.SparseTensor(parts[0], parts[1], parts[2])
@@ -209,7 +218,9 @@ def _rebuild(schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: 
     return schema.pack(out)
 
 
-def to_tf_dataset(stream: Stream, batch_size: int | None, drop_remainder: bool = False) -> tf.data.Dataset:
+def to_tf_dataset(
+    stream: Stream, batch_size: int | None, drop_remainder: bool = False
+) -> tf.data.Dataset:
     """Return ``stream`` as a ``tf.data.Dataset`` (see ``Stream.to_tf_dataset``)."""
     schema = stream.ref.schema
     where = stream.ref.manifest.where
@@ -223,10 +234,16 @@ def to_tf_dataset(stream: Stream, batch_size: int | None, drop_remainder: bool =
     def generate() -> Iterator[tuple[Any, ...]]:
         for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
             comps = batch_components(schema, cols, where)
-            yield tuple(w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v, True))
+            yield tuple(
+                w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v, True)
+            )
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-    ds = ds.map(lambda *w: _rebuild(schema, w, static, True), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.map(
+        lambda *w: _rebuild(schema, w, static, True),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
     if unbatch:
         ds = ds.unbatch()
     return ds.prefetch(tf.data.AUTOTUNE)
@@ -239,8 +256,16 @@ def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
         for _records, cols in stream.column_batches(_UNBATCH_INTERNAL):
             for i in range(len(cols[0]) if cols else 0):
                 comps = element_components(schema, cols, i)
-                yield tuple(w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v, False))
+                yield tuple(
+                    w
+                    for c, v in zip(schema.components, comps, strict=True)
+                    for w in _wire(c, v, False)
+                )
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-    ds = ds.map(lambda *w: _rebuild(schema, w, None, False), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.map(
+        lambda *w: _rebuild(schema, w, None, False),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
     return ds.prefetch(tf.data.AUTOTUNE)
