@@ -1,0 +1,27 @@
+"""The command line lists, describes, verifies and deletes datasets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import yogastore
+from yogastore.cli import main
+
+SPEC = yogastore.ComponentSpec(shape=(8,), dtype="int16")
+
+
+def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = yogastore.Store(tmp_path, chunk_bytes=256)
+    store.cache("d", "1", lambda: (np.full(8, i, np.int16) for i in range(100)), spec=SPEC)
+    assert main(["--store", str(tmp_path), "list"]) == 0
+    assert "d\t1\t100 records" in capsys.readouterr().out
+    assert main(["--store", str(tmp_path), "info", "d", "1"]) == 0
+    assert '"num_records": 100' in capsys.readouterr().out
+    assert main(["--store", str(tmp_path), "verify", "d", "1"]) == 0
+    assert "100 records OK" in capsys.readouterr().out
+    assert main(["--store", str(tmp_path), "delete", "d", "1"]) == 0
+    assert main(["--store", str(tmp_path), "info", "d", "1"]) == 1
+    assert "no dataset 'd'" in capsys.readouterr().err

@@ -1,0 +1,5 @@
+"""Entry point of ``python -m yogastore``."""
+
+from yogastore.cli import main
+
+raise SystemExit(main())
