@@ -1,0 +1,1 @@
+"""Benchmarks of yogastore against TensorFlow's own readers and YogaDL."""

@@ -1,0 +1,143 @@
+"""The read benchmark runs end to end on a tiny size and reports numbers from real reads.
+
+No timing is asserted: only that every method read the records it should have,
+that their bytes match the source, and that the table and JSON say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _yogadl
+from benchmarks.read_throughput import evaluate_targets, format_case
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMED_ROWS = ("a", "b", "c", "d", "e1", "e2", "e3")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "result.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.read_throughput",
+        "--records=300",
+        "--record-bytes=96",
+        "--small-records=400",
+        "--large-records=12",
+        "--repeats=2",
+        "--read-mib=1",
+        "--no-yogadl",
+        f"--work-dir={tmp / 'work'}",
+        f"--json={out}",
+    ]
+    env = dict(os.environ, YOGASTORE_HOME=str(tmp / "home"), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp / "work").exists(), "scratch dir must be removed without --keep"
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
+    doc, stdout = tiny_run
+    assert [c["case"]["name"] for c in doc["cases"]] == ["main", "small", "large"]
+    for case in doc["cases"]:
+        keys = [r["key"] for r in case["rows"]]
+        assert keys == ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2"], keys
+        assert [t["target"] for t in case["targets"]] == [
+            "(b) tf.data / (a) TFRecordDataset",
+            "(c) batches / (d) numpy gather",
+            "(b) tf.data / (f) YogaDL",
+            "(g) build / plain iteration",
+        ]
+    assert stdout.count("targets:") == 3
+    assert "skipped (--no-yogadl)" in stdout
+    assert doc["machine"]["nproc"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", TIMED_ROWS, ids=TIMED_ROWS)
+def test_numbers_come_from_verified_reads(tiny_run: tuple[dict, str], key: str) -> None:
+    doc, _ = tiny_run
+    for case in doc["cases"]:
+        spec = case["case"]
+        n, shards, rank = spec["records"], spec["num_shards"], spec["shard_rank"]
+        row = next(r for r in case["rows"] if r["key"] == key)
+        assert row["error"] is None, row["error"]
+        check = row["verified"]
+        # The untimed pass saw each expected record exactly once, with the right bytes.
+        assert check["ok"] and check["labels_match"] and check["wrong_records"] == 0
+        assert check["records"] == check["expected_records"] > 0
+        assert check["byte_sum"] == check["expected_byte_sum"] > 0
+        one_pass = (
+            n
+            if key in ("a", "e1")
+            else (
+                (rank + 1) * n // shards - rank * n // shards
+                if key in ("b", "c", "d")
+                else len(range(rank, n, shards))
+            )
+        )
+        assert check["records"] == one_pass
+        # Every timed run read whole passes of exactly those records.
+        assert row["runs_ok"]
+        assert row["records_per_run"] == row["passes"] * one_pass
+        assert len(row["rates"]) == spec["repeats"]
+        assert row["rate"] > 0 and row["mb_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_stream_tf_row_has_peak_rss_and_build_rows_counted(tiny_run: tuple[dict, str]) -> None:
+    doc, _ = tiny_run
+    for case in doc["cases"]:
+        rows = {r["key"]: r for r in case["rows"]}
+        assert rows["b"]["peak_rss_mib"] >= rows["b"]["rss_after_import_mib"] > 0
+        assert rows["b"]["read_per_epoch"] > 0
+        for key in ("g", "g2"):
+            assert rows[key]["verified"]["records"] == case["case"]["records"]
+            assert rows[key]["build_seconds"] > 0 and rows[key]["iterate_seconds"] > 0
+        ratio = next(t for t in case["targets"] if t["target"].startswith("(g)"))
+        assert ratio["value"] == pytest.approx(
+            rows["g"]["build_seconds"] / rows["g"]["iterate_seconds"]
+        )
+
+
+def test_missing_yogadl_is_reported_with_its_reason(tmp_path: Path) -> None:
+    not_a_venv = tmp_path / "somewhere"
+    not_a_venv.mkdir()
+    (not_a_venv / "keep.txt").write_text("user data")
+    python, why = _yogadl.ensure_venv(not_a_venv, log=lambda _msg: None)
+    assert python is None and "not a virtual environment" in why
+    assert (not_a_venv / "keep.txt").exists()
+    rows = [
+        {"key": "a", "name": "a", "rate": 100.0, "runs_ok": True},
+        {"key": "b", "name": "b", "rate": 300.0, "runs_ok": True},
+        {"key": "f", "name": "YogaDL", "rate": None, "error": None, "note": f"not measured: {why}"},
+    ]
+    targets = evaluate_targets(rows)
+    yogadl = next(t for t in targets if "YogaDL" in t["target"])
+    assert yogadl["value"] is None and not yogadl["met"]
+    assert next(t for t in targets if "TFRecord" in t["target"])["met"]
+    table = format_case(
+        {
+            "case": {"name": "t", "records": 1, "batch_size": 1, "shard_rank": 0, "num_shards": 1},
+            "record_bytes": 1,
+            "chunks": 1,
+            "dataset_bytes": 1,
+            "tfrecord_bytes": 1,
+            "rows": rows,
+            "targets": targets,
+        }
+    )
+    assert "not measured: " in table and "NOT MET" in table
