@@ -1,0 +1,144 @@
+"""Pieces shared by the distributed examples: a synthetic dataset, a tiny model,
+per-rank sample-id logs and a launcher for multi-worker jobs on one machine.
+
+Imports of TensorFlow and Keras happen inside functions so a launcher process
+(which only starts workers) stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from yogastore import ComponentSpec, DatasetRef, Store
+
+DIM = 8
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="store directory (default: $YOGASTORE_HOME or ~/.cache/yogastore)",
+    )
+    parser.add_argument("--out", required=True, help="directory for per-rank id logs and results")
+    parser.add_argument("--records", type=int, default=512, help="records in the synthetic dataset")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=7, help="shuffle seed (same on every rank)")
+    parser.add_argument("--lr", type=float, default=0.5)
+
+
+def synthetic_dataset(store: str | None, num_records: int) -> DatasetRef:
+    """Cache (once) a linearly separable problem: ``y = [x . w > 0]``, with an ``id`` field."""
+
+    def make() -> Any:
+        rng = np.random.default_rng(1234)
+        w = rng.normal(size=DIM).astype(np.float32)
+        for i in range(num_records):
+            x = rng.normal(size=DIM).astype(np.float32)
+            yield {"id": np.int64(i), "x": x, "y": np.int64(x @ w > 0)}
+
+    spec = {
+        "id": ComponentSpec(shape=(), dtype="int64"),
+        "x": ComponentSpec(shape=(DIM,), dtype="float32"),
+        "y": ComponentSpec(shape=(), dtype="int64"),
+    }
+    # Every rank calls this; the store's build lock lets exactly one build it.
+    return Store(store).cache("separable", f"n{num_records}-d{DIM}", make, spec=spec)
+
+
+def make_model() -> Any:
+    """Return a logistic-regression Keras model (two logits)."""
+    import keras
+
+    keras.utils.set_random_seed(0)  # identical initial weights on every rank
+    return keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(2)])
+
+
+def accuracy(model: Any, ref: DatasetRef) -> float:
+    """Return the model's accuracy over the whole dataset."""
+    correct = total = 0
+    for batch in ref.stream(shuffle=False).batches(1024):
+        logits = np.asarray(model(batch["x"], training=False))
+        correct += int((logits.argmax(axis=1) == batch["y"]).sum())
+        total += len(batch["y"])
+    return correct / max(total, 1)
+
+
+class IdLog:
+    """Appends one JSON line per training step: the sample ids this rank trained on."""
+
+    def __init__(self, out: str | Path, rank: int) -> None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        self._file = open(Path(out) / f"ids-rank{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, step: int, epoch: int, ids: Any, **extra: Any) -> None:
+        flat = [int(i) for i in np.concatenate([np.asarray(a).reshape(-1) for a in ids])]
+        doc = {"step": step, "epoch": epoch, "ids": flat, **extra}
+        self._file.write(json.dumps(doc) + "\n")
+        self._file.flush()  # a killed process must leave every finished step in the log
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_workers(script: str, argv: list[str], num_workers: int, timeout: float) -> int:
+    """Run ``num_workers`` copies of ``script`` as one MultiWorkerMirroredStrategy job.
+
+    Each worker gets a ``TF_CONFIG`` naming every worker on 127.0.0.1 at a
+    free port. If one worker fails, the others are stopped (they would wait
+    forever in a collective). Returns the first non-zero exit code, or 0.
+    """
+    hosts = [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
+    procs = []
+    for index in range(num_workers):
+        env = dict(os.environ)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}
+        )
+        procs.append(subprocess.Popen([sys.executable, script, *argv], env=env))
+
+    def stop_all(signum: int = signal.SIGTERM, frame: Any = None) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    signal.signal(signal.SIGTERM, stop_all)
+    deadline = time.monotonic() + timeout
+    code = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            code = failed[0] if failed else 124
+            print(f"launcher: stopping workers (exit codes {[p.poll() for p in procs]})")
+            stop_all()
+            break
+        time.sleep(0.1)
+    for p in procs:
+        p.wait()
+        if code == 0 and p.returncode:
+            code = p.returncode
+    return code

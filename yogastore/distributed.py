@@ -1,0 +1,613 @@
+"""Distributed training: per-rank input and a checkpointable data position.
+
+* ``StreamPosition`` is where training stands in the data: the current epoch
+  and the steps done in it. It is a ``tf.train`` trackable, so
+  ``tf.train.Checkpoint(model=..., optimizer=..., data=position)`` saves and
+  restores it with the model. Its ``dataset(shard_rank, num_shards,
+  batch_size)`` is a ``tf.data.Dataset`` whose every iteration is the rest of
+  the current epoch for that shard; ``advance()`` after each training step
+  moves the position (and, after the epoch's last step, on to the next epoch).
+* ``horovod_dataset`` / ``horovod_stream``: the same for ``hvd.rank()`` of
+  ``hvd.size()``.
+* ``dataset_fn``: the function ``strategy.distribute_datasets_from_function``
+  wants; input pipeline ``i`` of ``n`` reads shard ``i`` of ``n``.
+* ``PositionCallback``: the Keras side (advance per batch, save checkpoints).
+
+Every shard runs the same number of steps per epoch, because a synchronous
+all-reduce hangs when one rank has a batch more than another: by default the
+records that do not fill a whole step on every shard are left out of that
+epoch (``Remainder.DROP``; fewer than ``num_shards * (records_per_step + 1)``
+of them); ``Remainder.PAD`` instead repeats records of a shard to fill its last
+step.
+
+A saved position restores exactly: with the same number of shards every shard
+reads the same batches an uninterrupted run would have read; with a different
+number the shards together read exactly the records of the epoch nobody has
+trained on yet, then continue with later epochs as usual.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import keras  # type: ignore[import-untyped]
+import numpy as np
+import numpy.typing as npt
+import tensorflow as tf
+
+from storage_backends.errors import InvalidArgumentError
+from yogastore.order import Shuffle
+from yogastore.store import DEFAULT_BLOCK_WINDOW
+from yogastore.stream import Stream, StreamState
+
+if TYPE_CHECKING:
+    from yogastore.store import DatasetRef
+
+__all__ = [
+    "PositionCallback",
+    "Remainder",
+    "StreamPosition",
+    "dataset_fn",
+    "horovod_dataset",
+    "horovod_stream",
+]
+
+logger = logging.getLogger(__name__)
+
+_POSITION_VERSION = 1
+IntArray = npt.NDArray[np.int64]
+
+
+class Remainder(enum.Enum):
+    """What to do with records that do not fill a whole step on every shard."""
+
+    DROP = "drop"
+    """Leave them out of this epoch (each epoch's new order leaves out other records)."""
+    PAD = "pad"
+    """Fill each shard's last step by repeating that shard's first records."""
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _steps_for(total: int, num_shards: int, per_step: int, remainder: Remainder) -> int:
+    """Return the steps every shard runs over ``total`` records (equal on every shard)."""
+    if remainder is Remainder.DROP:
+        return (total // num_shards) // per_step
+    longest = -(-total // num_shards)
+    return -(-longest // per_step)
+
+
+class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
+    """Where distributed training stands in a dataset; checkpointable with ``tf.train``.
+
+    The position is the current epoch plus what of it every shard has
+    consumed, stored as a ``StreamState`` (see ``Stream.state``) so a restored
+    position can be read by any number of shards. All shards must advance
+    together: one ``advance()`` per synchronous training step.
+
+    Usage::
+
+        position = StreamPosition(ref, seed=1)
+        ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer, data=position)
+        ckpt.restore(tf.train.latest_checkpoint(ckpt_dir))  # if there is one
+        ds = position.dataset(rank, num_ranks, batch_size)
+        for epoch in range(position.epoch, num_epochs):
+            for batch in ds:  # the rest of the current epoch
+                train_step(batch)
+                position.advance()
+
+    Restore before iterating a dataset of the position. The restored state
+    (seed, shuffle, current epoch) wins over the constructor's arguments.
+
+    Args:
+        ref: the dataset.
+        shuffle: as for ``DatasetRef.stream``.
+        seed: shuffle seed; every rank must use the same.
+        epoch: first epoch number (unless restored).
+        remainder: ``Remainder.DROP`` (default) or ``Remainder.PAD``: how every
+            shard gets the same number of steps.
+        block_window: chunks mixed together by ``Shuffle.BLOCK``.
+        prefetch: batches read ahead on a background thread.
+
+    Raises:
+        InvalidArgumentError: an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        ref: DatasetRef,
+        *,
+        shuffle: bool | Shuffle = True,
+        seed: int = 0,
+        epoch: int = 0,
+        remainder: Remainder = Remainder.DROP,
+        block_window: int = DEFAULT_BLOCK_WINDOW,
+        prefetch: int = 2,
+    ) -> None:
+        if not isinstance(remainder, Remainder):
+            raise InvalidArgumentError(f"remainder must be a Remainder, got {remainder!r}")
+        probe = ref.stream(0, 1, shuffle=shuffle, seed=seed, epoch=epoch, block_window=block_window)
+        self.ref = ref
+        self.remainder = remainder
+        self.prefetch = _check_int("prefetch", prefetch, 0)
+        self._lock = threading.Lock()
+        self._start = self._fresh(probe.shuffle, probe.seed, probe.epoch, probe.block_window)
+        self._layout: tuple[int, int] | None = None  # (num_shards, records per shard per step)
+        self._segment_steps = 0
+        self._steps = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamPosition({self.ref.dataset_id!r}, epoch={self.epoch}, step={self.step}, "
+            f"remaining={self._start.remaining_records}, layout={self._layout})"
+        )
+
+    def _fresh(self, shuffle: Shuffle, seed: int, epoch: int, block_window: int) -> StreamState:
+        n = self.ref.num_records
+        return StreamState(
+            dataset=self.ref.fingerprint,
+            num_records=n,
+            seed=seed,
+            epoch=epoch,
+            shuffle=shuffle,
+            block_window=block_window,
+            remaining=((0, n),) if n else (),
+        )
+
+    # Reading the position -----------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (it moves on after the epoch's last ``advance``)."""
+        with self._lock:
+            return self._start.epoch
+
+    @property
+    def step(self) -> int:
+        """Steps advanced in the current epoch since it began or the position was restored."""
+        with self._lock:
+            return self._steps
+
+    @property
+    def mid_epoch(self) -> bool:
+        """Whether part of the current epoch has been consumed (e.g. restored mid-epoch)."""
+        with self._lock:
+            return bool(self._steps) or self._start.remaining_records < self.ref.num_records
+
+    def state(self) -> StreamState:
+        """Return the exact data position as a ``StreamState`` (JSON-serialisable)."""
+        with self._lock:
+            return self._state_locked()
+
+    def _state_locked(self) -> StreamState:
+        if self._steps == 0 or self._layout is None:
+            return self._start
+        num_shards, per_step = self._layout
+        stream = self.ref.resume(
+            self._start,
+            0,
+            num_shards,
+            drop_remainder=self.remainder is Remainder.DROP,
+            num_epochs=1,
+        )
+        return stream.state(consumed=self._steps * per_step)
+
+    def steps_left(self, num_shards: int, batch_size: int, batches_per_step: int = 1) -> int:
+        """Return the steps left in the current epoch when read by ``num_shards`` shards.
+
+        The same for every shard; the whole epoch's step count when
+        ``mid_epoch`` is false.
+        """
+        num_shards = _check_int("num_shards", num_shards, 1)
+        per_step = _check_int("batch_size", batch_size, 1) * _check_int(
+            "batches_per_step", batches_per_step, 1
+        )
+        total = self.state().remaining_records
+        return _steps_for(total, num_shards, per_step, self.remainder)
+
+    # Moving the position ------------------------------------------------------------
+
+    def advance(self, steps: int = 1) -> None:
+        """Record that every shard finished ``steps`` more training steps.
+
+        After the last step of the epoch the position moves to the start of
+        the next epoch.
+
+        Raises:
+            InvalidArgumentError: no dataset of this position has been
+                iterated yet, so the step size is unknown.
+        """
+        steps = _check_int("steps", steps, 0)
+        with self._lock:
+            if self._layout is None:
+                raise InvalidArgumentError(
+                    "advance() before any dataset of this position was iterated; iterate "
+                    "position.dataset(...) (or a dataset_fn dataset) first"
+                )
+            self._steps += steps
+            while self._steps >= self._segment_steps:
+                if self._segment_steps == 0:
+                    raise InvalidArgumentError(
+                        f"advanced past the end of epoch {self._start.epoch}, which has no "
+                        f"whole step for layout {self._layout}"
+                    )
+                self._steps -= self._segment_steps
+                self._next_epoch_locked()
+
+    def _next_epoch_locked(self) -> None:
+        s = self._start
+        self._start = self._fresh(s.shuffle, s.seed, s.epoch + 1, s.block_window)
+        if self._layout is not None:
+            num_shards, per_step = self._layout
+            self._segment_steps = _steps_for(
+                self._start.remaining_records, num_shards, per_step, self.remainder
+            )
+
+    def _begin(self, num_shards: int, per_step: int) -> tuple[StreamState, int]:
+        """Start an iteration: return the epoch's remaining positions and its step count."""
+        with self._lock:
+            if self._steps:
+                # A new iteration continues where the previous one stopped.
+                self._start = self._state_locked()
+                self._steps = 0
+            self._layout = (num_shards, per_step)
+            self._segment_steps = _steps_for(
+                self._start.remaining_records, num_shards, per_step, self.remainder
+            )
+            if self._segment_steps == 0:
+                logger.warning(
+                    "epoch %d has no whole step left for %d shards x %d records (%d remain); "
+                    "skipping to the next epoch",
+                    self._start.epoch,
+                    num_shards,
+                    per_step,
+                    self._start.remaining_records,
+                )
+                start = self._start
+                self._next_epoch_locked()
+                return start, 0
+            return self._start, self._segment_steps
+
+    # Checkpointing (tf.train.experimental.PythonState) -------------------------------
+
+    def serialize(self) -> str:
+        """Return the position as JSON (called by ``tf.train.Checkpoint.save``)."""
+        with self._lock:
+            state = self._state_locked()
+            doc = {
+                "yogastore_position": _POSITION_VERSION,
+                "state": json.loads(state.to_json()),
+                "remainder": self.remainder.value,
+            }
+        return json.dumps(doc, separators=(",", ":"))
+
+    def deserialize(self, string_value: Any) -> None:
+        """Restore a position written by ``serialize`` (called by ``Checkpoint.restore``).
+
+        Raises:
+            InvalidArgumentError: the value is not a position of this dataset.
+        """
+        if hasattr(string_value, "numpy"):
+            string_value = string_value.numpy()
+        text = string_value
+        try:
+            doc = json.loads(text)
+            if doc.get("yogastore_position") != _POSITION_VERSION:
+                raise ValueError("not a yogastore position of a known version")
+            state = StreamState.from_json(json.dumps(doc["state"]))
+            remainder = Remainder(doc.get("remainder", self.remainder.value))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise InvalidArgumentError(f"invalid stream position {text!r:.200}: {err}") from err
+        if state.dataset != self.ref.fingerprint or state.num_records != self.ref.num_records:
+            raise InvalidArgumentError(
+                f"checkpointed position belongs to {state.dataset!r} ({state.num_records} "
+                f"records), not {self.ref.fingerprint!r} ({self.ref.num_records} records)"
+            )
+        if remainder is not self.remainder:
+            logger.warning(
+                "restored position used remainder=%s; continuing with remainder=%s",
+                remainder.name,
+                self.remainder.name,
+            )
+        with self._lock:
+            old = self._start
+            if (old.seed, old.shuffle, old.block_window) != (
+                state.seed,
+                state.shuffle,
+                state.block_window,
+            ):
+                logger.warning(
+                    "restored position has seed=%d shuffle=%s block_window=%d; it replaces "
+                    "seed=%d shuffle=%s block_window=%d",
+                    state.seed,
+                    state.shuffle.name,
+                    state.block_window,
+                    old.seed,
+                    old.shuffle.name,
+                    old.block_window,
+                )
+            self._start = state
+            self._steps = 0
+            self._layout = None
+            self._segment_steps = 0
+
+    # Datasets ------------------------------------------------------------------------
+
+    def dataset(
+        self,
+        shard_rank: int,
+        num_shards: int,
+        batch_size: int,
+        *,
+        batches_per_step: int = 1,
+    ) -> tf.data.Dataset:
+        """Return shard ``shard_rank``'s batches; each iteration is the rest of the epoch.
+
+        Every shard yields the same number of batches (``steps_per_epoch *
+        batches_per_step``), each of exactly ``batch_size`` records, with the
+        remainder handled as the position's ``remainder`` says. The epoch and
+        starting point are looked up when an iteration starts, so iterate the
+        same dataset once per epoch (Keras ``fit`` does).
+
+        Args:
+            shard_rank: this shard, ``0 <= shard_rank < num_shards``.
+            num_shards: number of shards reading in lockstep.
+            batch_size: records per batch.
+            batches_per_step: batches this shard feeds into one training step
+                (e.g. replicas per input pipeline under ``tf.distribute``).
+
+        Raises:
+            InvalidArgumentError: an argument is out of range.
+        """
+        num_shards = _check_int("num_shards", num_shards, 1)
+        shard_rank = _check_int("shard_rank", shard_rank, 0)
+        if shard_rank >= num_shards:
+            raise InvalidArgumentError(f"shard_rank {shard_rank} must be < num_shards {num_shards}")
+        batch_size = _check_int("batch_size", batch_size, 1)
+        batches_per_step = _check_int("batches_per_step", batches_per_step, 1)
+        live = _EpochRest(self, shard_rank, num_shards, batches_per_step)
+        return live.to_tf_dataset(batch_size, drop_remainder=True)
+
+
+class _EpochRest(Stream):
+    """A stream whose every pass is the rest of a position's current epoch, in whole steps.
+
+    ``to_tf_dataset`` builds its generator on ``column_batches``; overriding
+    that one method makes the dataset re-read the position on each iteration.
+    """
+
+    def __init__(
+        self, position: StreamPosition, shard_rank: int, num_shards: int, batches_per_step: int
+    ) -> None:
+        start = position.state()
+        super().__init__(
+            position.ref,
+            shard_rank=shard_rank,
+            num_shards=num_shards,
+            shuffle=start.shuffle,
+            seed=start.seed,
+            epoch=start.epoch,
+            start_offset=0,
+            drop_remainder=position.remainder is Remainder.DROP,
+            num_epochs=1,
+            block_window=start.block_window,
+            first_intervals=start.remaining,
+            prefetch=position.prefetch,
+        )
+        self.position = position
+        self.batches_per_step = batches_per_step
+
+    def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
+        position = self.position
+        start, steps = position._begin(self.num_shards, batch_size * self.batches_per_step)
+        count = steps * self.batches_per_step
+        if count == 0:
+            return
+        drop = position.remainder is Remainder.DROP
+        stream = position.ref.resume(
+            start,
+            self.shard_rank,
+            self.num_shards,
+            drop_remainder=drop,
+            num_epochs=1,
+            prefetch=position.prefetch,
+        )
+        tail = np.empty(0, dtype=np.int64)
+        done = 0
+        batches = stream.column_batches(batch_size)
+        try:
+            for records, cols in batches:
+                if done == count:
+                    break
+                if len(records) < batch_size:
+                    tail = records
+                    break
+                yield records, cols
+                done += 1
+        finally:
+            # Stop the read-ahead thread now, not when the generator is collected.
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+        if done < count:
+            if drop:  # the step count fits the shortest shard, so this is a bug
+                raise RuntimeError(
+                    f"shard {self.shard_rank} ran out after {done} of {count} batches"
+                )
+            yield from _padding(stream, start, tail, batch_size, (count - done) * batch_size)
+
+
+def _padding(
+    stream: Stream, start: StreamState, tail: IntArray, batch_size: int, total: int
+) -> Iterator[Any]:
+    """Yield ``total`` records: ``tail``, then the shard's first records repeated."""
+    source = stream
+    if len(source) == 0:
+        # Fewer records left than shards: repeat from the whole remainder instead.
+        source = stream.ref.resume(start, 0, 1, num_epochs=1, prefetch=0)
+    need = total - len(tail)
+    head = next(source.record_indices(min(len(source), need)))
+    records = np.concatenate([tail, np.resize(head, need)])
+    for lo in range(0, len(records), batch_size):
+        piece = records[lo : lo + batch_size]
+        yield piece, source.source.gather(piece)
+
+
+def horovod_stream(
+    ref: DatasetRef,
+    *,
+    shuffle: bool | Shuffle = True,
+    seed: int = 0,
+    epoch: int = 0,
+    num_epochs: int | None = 1,
+    drop_remainder: bool = True,
+) -> Stream:
+    """Return the stream of the current Horovod rank (``hvd.rank()`` of ``hvd.size()``).
+
+    ``drop_remainder`` defaults to ``True``: every rank gets exactly ``N //
+    hvd.size()`` records per epoch, hence the same number of batches, which a
+    synchronous all-reduce needs. Call ``hvd.init()`` first.
+    """
+    import horovod.tensorflow as hvd
+
+    return ref.stream(
+        int(hvd.rank()),
+        int(hvd.size()),
+        shuffle=shuffle,
+        seed=seed,
+        epoch=epoch,
+        drop_remainder=drop_remainder,
+        num_epochs=num_epochs,
+    )
+
+
+def horovod_dataset(position: StreamPosition, batch_size: int) -> tf.data.Dataset:
+    """Return ``position.dataset`` for the current Horovod rank.
+
+    Every rank yields the same number of batches of ``batch_size`` records
+    (see ``Remainder``). Call ``hvd.init()`` first.
+    """
+    import horovod.tensorflow as hvd
+
+    return position.dataset(int(hvd.rank()), int(hvd.size()), batch_size)
+
+
+def dataset_fn(
+    position: StreamPosition, global_batch_size: int
+) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+    """Return a ``dataset_fn`` for ``strategy.distribute_datasets_from_function``.
+
+    Input pipeline ``input_pipeline_id`` of ``num_input_pipelines`` reads that
+    shard of the position's epoch in per-replica batches of
+    ``input_context.get_per_replica_batch_size(global_batch_size)``; every
+    pipeline yields the same number of whole steps (see ``Remainder``).
+    Call ``position.advance()`` once per ``strategy.run`` step.
+
+    Args:
+        position: the shared data position.
+        global_batch_size: records per step over all replicas.
+
+    Raises:
+        InvalidArgumentError: ``global_batch_size`` is not a positive integer.
+    """
+    global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+
+    def make(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        per_replica = input_context.get_per_replica_batch_size(global_batch_size)
+        pipelines = input_context.num_input_pipelines
+        replicas = input_context.num_replicas_in_sync
+        if per_replica < 1 or replicas % pipelines:
+            raise InvalidArgumentError(
+                f"global batch {global_batch_size} does not split over {replicas} replicas "
+                f"in {pipelines} input pipelines"
+            )
+        return position.dataset(
+            input_context.input_pipeline_id,
+            pipelines,
+            per_replica,
+            batches_per_step=replicas // pipelines,
+        )
+
+    return make
+
+
+class PositionCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """Keras callback: advance a ``StreamPosition`` per batch and save checkpoints.
+
+    ``manager`` should manage a ``tf.train.Checkpoint`` holding the model, its
+    optimizer and ``position``. Keras 3 takes every epoch of one ``fit`` call
+    to be as long as its first, so after restoring in the middle of an epoch
+    finish that epoch with a ``fit`` call of its own::
+
+        ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, data=position)
+        manager = tf.train.CheckpointManager(ckpt, ckpt_dir, max_to_keep=2)
+        ckpt.restore(manager.latest_checkpoint)
+        callback = PositionCallback(position, manager, save_every=100)
+        dataset = position.dataset(0, 1, 32)  # or a dataset_fn under a strategy
+        if position.mid_epoch:
+            model.fit(dataset, initial_epoch=position.epoch, epochs=position.epoch + 1,
+                      callbacks=[callback])
+        model.fit(dataset, initial_epoch=position.epoch, epochs=10, callbacks=[callback])
+
+    Do not pass ``steps_per_epoch``: each epoch is one pass over the dataset.
+    (Keras' own ``BackupAndRestore`` restarts at epoch boundaries only.)
+
+    Args:
+        position: the position the training data comes from.
+        manager: saves the checkpoint (``None``: only advance the position).
+        save_every: also save every this many steps (``None``: at epoch ends only).
+
+    Raises:
+        InvalidArgumentError: (from ``fit``) an epoch ended before its data
+            did, which would put later epochs out of step with the data.
+    """
+
+    def __init__(
+        self,
+        position: StreamPosition,
+        manager: tf.train.CheckpointManager | None = None,
+        save_every: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.position = position
+        self.manager = manager
+        self.save_every = None if save_every is None else _check_int("save_every", save_every, 1)
+        self._seen = 0
+        self._since_save = 0
+        self._data_epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._seen = 0
+        self._data_epoch = self.position.epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # With steps_per_execution > 1 Keras reports only the last batch of each call.
+        steps = batch + 1 - self._seen
+        self._seen = batch + 1
+        self.position.advance(steps)
+        self._since_save += steps
+        if self.manager is not None and self.save_every and self._since_save >= self.save_every:
+            self.manager.save()
+            self._since_save = 0
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.manager is not None:
+            self.manager.save()
+            self._since_save = 0
+        stopped = bool(getattr(self.model, "stop_training", False))
+        if self.position.epoch == self._data_epoch and not stopped:
+            raise InvalidArgumentError(
+                f"Keras epoch {epoch} ended after {self._seen} steps, before data epoch "
+                f"{self._data_epoch} did ({self.position!r}); do not pass steps_per_epoch, "
+                "and after restoring mid-epoch finish that epoch in a fit() call of its own "
+                "(see PositionCallback)"
+            )
