@@ -29,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +46,7 @@ __all__ = [
     "ChunkView",
     "ColumnBatch",
     "ColumnSpec",
+    "FixedRows",
     "columns_for",
     "encode_chunk",
     "parse_header",
@@ -317,6 +320,10 @@ class _ColumnView:
     shapes: np.ndarray | None = None  # [k, ndim] when some dim is unknown
     offsets: np.ndarray | None = None  # [k + 1] elements (var) / strings (bytes)
     boffsets: np.ndarray | None = None  # [n + 1] bytes per string
+    address: int = dataclasses.field(init=False, default=0)  # of data's first byte
+
+    def __post_init__(self) -> None:
+        self.address = int(self.data.__array_interface__["data"][0])
 
     def record_shapes(self, idx: IntArray) -> IntArray:
         if self.shapes is not None:
@@ -506,22 +513,121 @@ class ColumnBatch:
         return self.values().reshape(len(self), *shape)
 
 
+# Fixed-shape columns of many chunks are gathered with ONE fancy index: each
+# chunk's column is a C-contiguous ``[k, *shape]`` array somewhere in memory
+# (for LMDB, all inside one memory map), and a read-only byte view spanning
+# from the lowest to the highest of them reaches every row: row ``j`` starts at
+# ``address(chunk[j]) - lowest + local[j] * row_bytes``. Only those rows are
+# ever read; ``locate`` and each chunk's validated record count keep every row
+# inside its own chunk, and the caller keeps every spanned buffer alive.
+
+
+def _row_span(lowest: np.ndarray, end: int, row: int) -> np.ndarray:
+    """Return ``[end - address(lowest) - row + 1, row]`` byte rows starting at ``lowest``."""
+    flat = lowest.reshape(-1).view(np.uint8)
+    start = int(lowest.__array_interface__["data"][0])
+    return np.lib.stride_tricks.as_strided(
+        flat, shape=(end - start - row + 1, row), strides=(1, 1), writeable=False
+    )
+
+
+def _gather_fixed(
+    spec: ColumnSpec, views: Sequence[ChunkView], which: IntArray, local: IntArray, column: int
+) -> np.ndarray:
+    """Gather fixed-shape records of ``views`` with one fancy index (see above)."""
+    n = len(local)
+    dims = _dims(spec)
+    row = spec.np_dtype.itemsize * math.prod(dims)
+    if n == 0 or row == 0:
+        return np.empty((n, *dims), spec.np_dtype)
+    cols = [v.columns[column] for v in views]
+    if len(cols) == 1:
+        return np.ascontiguousarray(cols[0].data[local])
+    addresses = np.array([c.address for c in cols], dtype=np.int64)
+    low = int(addresses.argmin())
+    rows = _row_span(cols[low].data, max(c.address + c.data.nbytes for c in cols), row)
+    starts = (addresses - cols[low].address)[which] + local * row
+    return rows[starts].view(spec.np_dtype).reshape(n, *dims)
+
+
+class FixedRows:
+    """One fixed-shape column across the chunks a source holds, gathered with one index.
+
+    ``add`` each chunk's view once before gathering its records; the object
+    keeps the spanned arrays alive. Safe to gather from several threads while
+    another adds chunks: a gather uses one consistent (span, lowest) snapshot.
+
+    Args:
+        spec: the column (``fixed`` layout).
+        num_chunks: chunks in the dataset.
+    """
+
+    def __init__(self, spec: ColumnSpec, num_chunks: int) -> None:
+        if spec.layout != "fixed":
+            raise UnsupportedElementError(f"FixedRows needs a fixed column, got {spec.layout}")
+        self.spec = spec
+        self._dims = _dims(spec)
+        self._dtype = spec.np_dtype
+        self._row = self._dtype.itemsize * math.prod(self._dims)
+        self._known = np.array(spec.shape, dtype=np.int64)
+        self._shapes = np.broadcast_to(self._known, (0, spec.ndim))  # last batch's, reused
+        self._addresses = np.zeros(num_chunks, dtype=np.int64)
+        self._arrays: list[np.ndarray] = []
+        self._lowest: np.ndarray | None = None
+        self._end = 0
+        self._span: tuple[np.ndarray, int] | None = None  # (byte rows, their address)
+        self._lock = threading.Lock()
+
+    def add(self, chunk: int, view: ChunkView, column: int) -> None:
+        """Make chunk ``chunk``'s records of this column gatherable."""
+        col = view.columns[column]
+        with self._lock:
+            self._addresses[chunk] = col.address
+            if col.data.nbytes == 0 or self._row == 0:
+                return
+            self._arrays.append(col.data)
+            end = col.address + col.data.nbytes
+            lowest = self._span[1] if self._span is not None else None
+            if lowest is not None and col.address >= lowest and end <= self._end:
+                return
+            if self._lowest is None or lowest is None or col.address < lowest:
+                self._lowest = col.data
+            self._end = max(self._end, end)
+            rows = _row_span(self._lowest, self._end, self._row)
+            self._span = (rows, int(self._lowest.__array_interface__["data"][0]))
+
+    def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
+        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
+        n = len(local)
+        shapes = self._shapes
+        if len(shapes) != n:
+            shapes = self._shapes = np.broadcast_to(self._known, (n, self.spec.ndim))
+        span = self._span
+        if n == 0 or span is None:
+            return ColumnBatch(self.spec, np.empty((n, *self._dims), self._dtype), shapes)
+        rows, lowest = span
+        addresses = self._addresses[chunks]
+        if not addresses.all():
+            raise RuntimeError("FixedRows.gather: a chunk of the batch was never added")
+        starts = addresses - lowest + local * self._row
+        data = rows[starts].view(self._dtype).reshape(n, *self._dims)
+        return ColumnBatch(self.spec, data, shapes)
+
+
 def gather(
     spec: ColumnSpec, views: Sequence[ChunkView], which: IntArray, local: IntArray, column: int
 ) -> ColumnBatch:
     """Gather records ``local[j]`` of chunk ``views[which[j]]`` for one column.
 
-    One fancy-index gather per chunk touched; no per-record Python work.
+    Fixed-shape columns: one fancy index over all chunks touched. Others: one
+    fancy-index gather per chunk touched. No per-record Python work.
     """
     n = len(local)
+    if spec.layout == "fixed":
+        shapes = np.broadcast_to(np.array(spec.shape, dtype=np.int64), (n, spec.ndim))
+        return ColumnBatch(spec, _gather_fixed(spec, views, which, local, column), shapes)
     groups = [(c, np.nonzero(which == c)[0]) for c in np.unique(which)] if n else []
     cols = [views[int(c)].columns[column] for c, _ in groups]
-    if spec.layout == "fixed":
-        out = np.empty((n, *_dims(spec)), spec.np_dtype)
-        for col, (_c, sel) in zip(cols, groups, strict=True):
-            out[sel] = col.data[local[sel]]
-        shapes = np.broadcast_to(np.array(spec.shape, dtype=np.int64), (n, spec.ndim))
-        return ColumnBatch(spec, out, shapes)
     shapes = np.empty((n, spec.ndim), dtype=np.int64)
     counts = np.empty(n, dtype=np.int64)
     for col, (_c, sel) in zip(cols, groups, strict=True):

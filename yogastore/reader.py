@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from storage_backends import Backend
 from storage_backends.errors import CorruptCacheError, KeyNotFoundError
-from yogastore.format import ChunkView, ColumnBatch, gather
+from yogastore.format import ChunkView, ColumnBatch, FixedRows, gather
 from yogastore.manifest import Manifest, checksum
 
 __all__ = ["ChunkSource", "LocalChunkSource", "ReadStats", "locate"]
@@ -100,6 +100,15 @@ class LocalChunkSource:
         self._starts = manifest.chunk_starts()
         self._views: dict[int, ChunkView] = {}
         self._lock = threading.Lock()
+        # Fixed-shape columns gather across chunks with one fancy index each.
+        num_chunks = len(manifest.chunks)
+        self._fixed = {
+            i: FixedRows(spec, num_chunks)
+            for i, spec in enumerate(self._columns)
+            if spec.layout == "fixed"
+        }
+        self._loaded = np.zeros(num_chunks, dtype=bool)
+        self._all_loaded = num_chunks == 0
 
     def view(self, chunk: int) -> ChunkView:
         """Return the validated view of one chunk."""
@@ -115,7 +124,14 @@ class LocalChunkSource:
         verified = verify_once(self.backend.url, self.manifest, chunk, data)
         view = ChunkView(data, self._columns, info.count, where)
         with self._lock:
+            known = self._views.get(chunk)
+            if known is not None:  # another thread was first
+                return known
+            for i, rows in self._fixed.items():
+                rows.add(chunk, view, i)
             self._views[chunk] = view
+            self._loaded[chunk] = True
+            self._all_loaded = len(self._views) == len(self._loaded)
             self.stats.requests += 1
             self.stats.bytes_fetched += len(data)
             self.stats.chunks_verified += int(verified)
@@ -123,13 +139,26 @@ class LocalChunkSource:
 
     def gather(self, records: IntArray) -> list[ColumnBatch]:
         which, local = locate(self.manifest, self._starts, records)
-        chunks, inverse = np.unique(which, return_inverse=True)
-        views = [self.view(int(c)) for c in chunks]
-        inverse = inverse.astype(np.int64).reshape(-1)
+        if not self._all_loaded:
+            for c in np.unique(which[~self._loaded[which]]):
+                self.view(int(c))
+        views: list[ChunkView] | None = None
+        inverse = which
+        out = []
+        for i, spec in enumerate(self._columns):
+            rows = self._fixed.get(i)
+            if rows is not None:
+                out.append(rows.gather(which, local))
+                continue
+            if views is None:
+                chunks, inverse = np.unique(which, return_inverse=True)
+                views = [self.view(int(c)) for c in chunks]
+                inverse = inverse.astype(np.int64).reshape(-1)
+            out.append(gather(spec, views, inverse, local, i))
         with self._lock:
             self.stats.records += len(records)
             self.stats.batches += 1
-        return [gather(c, views, inverse, local, i) for i, c in enumerate(self._columns)]
+        return out
 
     def close(self) -> None:
         self._views.clear()

@@ -44,6 +44,7 @@ __all__ = ["Stream", "StreamState"]
 IntArray = npt.NDArray[np.int64]
 _STATE_VERSION = 1
 _INTERNAL_BATCH = 256
+_ORDER_PIECE = 16384  # positions mapped to records per call of the epoch order
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,8 +222,8 @@ class Stream:
             k += 1
         return k, 0
 
-    def _record_pieces(self) -> Iterator[IntArray]:
-        """Yield this rank's record indices in stream order, in pieces."""
+    def _record_pieces(self, piece: int = _INTERNAL_BATCH * 4) -> Iterator[IntArray]:
+        """Yield this rank's record indices in stream order, in pieces of ``piece``."""
         k, offset = self._locate(self.start_offset)
         while self.num_epochs is None or k < self.num_epochs:
             span = self._epoch_span(k)
@@ -232,7 +233,7 @@ class Stream:
             order = self.order(self.epoch + k)
             pos = offset
             while pos < length:
-                end = min(pos + _INTERNAL_BATCH * 4, length)
+                end = min(pos + piece, length)
                 positions = np.concatenate(
                     [np.arange(a, b, dtype=np.int64) for a, b in slice_intervals(span, pos, end)]
                 )
@@ -243,18 +244,20 @@ class Stream:
     def record_indices(self, batch_size: int) -> Iterator[IntArray]:
         """Yield this rank's record indices in batches of ``batch_size`` (last may be short)."""
         batch_size = _check_int("batch_size", batch_size, 1)
-        pending: list[IntArray] = []
-        have = 0
-        for piece in self._record_pieces():
-            pending.append(piece)
-            have += len(piece)
-            while have >= batch_size:
-                merged = np.concatenate(pending)
-                yield merged[:batch_size]
-                rest = merged[batch_size:]
-                pending, have = ([rest] if len(rest) else []), len(rest)
-        if have:
-            yield np.concatenate(pending)
+        # A shuffled order costs a fixed overhead per call (cycle walking), so
+        # map positions many batches at a time and hand out slices.
+        carry: IntArray | None = None
+        for piece in self._record_pieces(max(_ORDER_PIECE, batch_size)):
+            if carry is not None:
+                piece = np.concatenate([carry, piece])
+                carry = None
+            full = len(piece) - len(piece) % batch_size
+            for start in range(0, full, batch_size):
+                yield piece[start : start + batch_size]
+            if full < len(piece):
+                carry = piece[full:]
+        if carry is not None:
+            yield carry
 
     # Reading ---------------------------------------------------------------------
 
