@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from yogastore import ComponentSpec, DatasetRef, Store
+from yogastore import ComponentSpec, DatasetRef, Store, Stream
 
 DIM = 8
 
@@ -65,13 +65,19 @@ def make_model() -> Any:
     return keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(2)])
 
 
-def accuracy(model: Any, ref: DatasetRef) -> float:
-    """Return the model's accuracy over the whole dataset."""
+def count_correct(model: Any, stream: Stream) -> tuple[int, int]:
+    """Return (correctly classified, total) over the records of ``stream``."""
     correct = total = 0
-    for batch in ref.stream(shuffle=False).batches(1024):
+    for batch in stream.batches(1024):
         logits = np.asarray(model(batch["x"], training=False))
         correct += int((logits.argmax(axis=1) == batch["y"]).sum())
         total += len(batch["y"])
+    return correct, total
+
+
+def accuracy(model: Any, ref: DatasetRef) -> float:
+    """Return the model's accuracy over the whole dataset."""
+    correct, total = count_correct(model, ref.stream(shuffle=False))
     return correct / max(total, 1)
 
 

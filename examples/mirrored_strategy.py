@@ -8,7 +8,7 @@ splits the one CPU into ``--replicas`` logical devices and trains with
 ``yogastore.distributed.dataset_fn`` (one input pipeline; its per-replica
 batches go to the replicas in turn). ``PositionCallback`` advances the data
 position after every batch and saves it with the model, so a rerun after a
-crash continues with the exact next batch.
+crash continues with the batch after the last checkpoint.
 
 Writes ``ids-rank0.jsonl`` (the sample ids of every per-replica batch, in the
 order the replicas receive them) and ``result-rank0.json`` to ``--out``.
@@ -109,6 +109,7 @@ def main() -> int:
             initial_epoch=position.epoch,
             epochs=position.epoch + 1,
             callbacks=[callback],
+            shuffle=False,  # yogastore shuffles
             verbose=2,
         )
         losses += history.history.get("loss", [])
@@ -117,6 +118,7 @@ def main() -> int:
         initial_epoch=position.epoch,
         epochs=args.epochs,
         callbacks=[callback],
+        shuffle=False,
         verbose=2,
     )
     losses += history.history.get("loss", [])

@@ -164,6 +164,14 @@ def test_pad_remainder_repeats_own_records_to_equal_steps(tmp_path: Path) -> Non
     assert position.epoch == 1 and not position.mid_epoch
 
 
+def test_pad_remainder_with_fewer_records_than_shards(tmp_path: Path) -> None:
+    ref = make_ref(tmp_path, 3)
+    position = StreamPosition(ref, seed=SEED, remainder=Remainder.PAD)
+    shards = [ids_of(position.dataset(r, 4, 1)) for r in range(4)]
+    assert [len(s) for s in shards] == [1, 1, 1, 1]  # one step each, none left without data
+    assert set(np.concatenate([b for s in shards for b in s]).tolist()) == {0, 1, 2}
+
+
 def test_advance_needs_an_iterated_dataset(tmp_path: Path) -> None:
     position = StreamPosition(make_ref(tmp_path, 10))
     with pytest.raises(InvalidArgumentError, match="advance"):

@@ -173,6 +173,9 @@ def test_horovod_example_two_ranks(tmp_path: Path) -> None:
     assert sorted(logs) == [0, 1]
     check_epochs(logs, ref, epochs, batch, lambda r, e, count: shard_order(ref, r, 2, e, count))
     check_results(tmp_path / "out", 2)
+    for rank in (0, 1):  # evaluated with horovod_stream shards: every record once
+        result = json.loads((tmp_path / "out" / f"result-rank{rank}.json").read_text())
+        assert result["evaluated"] == records
 
 
 # tf.distribute ----------------------------------------------------------------------

@@ -352,11 +352,13 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
     ) -> tf.data.Dataset:
         """Return shard ``shard_rank``'s batches; each iteration is the rest of the epoch.
 
-        Every shard yields the same number of batches (``steps_per_epoch *
+        Every shard yields the same number of batches (``steps_left(...) *
         batches_per_step``), each of exactly ``batch_size`` records, with the
         remainder handled as the position's ``remainder`` says. The epoch and
         starting point are looked up when an iteration starts, so iterate the
-        same dataset once per epoch (Keras ``fit`` does).
+        same dataset once per epoch (Keras ``fit`` does). Shards sharing one
+        position in one process must all start iterating before the first
+        ``advance()`` of the epoch.
 
         Args:
             shard_rank: this shard, ``0 <= shard_rank < num_shards``.
