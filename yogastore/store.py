@@ -242,6 +242,10 @@ class Store:
 
     def make_source(self, manifest: Manifest) -> ChunkSource:
         """Return a chunk source suited to this store's backend."""
+        if self.remote:
+            from yogastore.remote import RemoteChunkSource
+
+            return RemoteChunkSource(self.backend, manifest)
         factory = getattr(self.backend, "chunk_source", None)
         if factory is not None:
             source: ChunkSource = factory(manifest)
@@ -403,6 +407,8 @@ class Store:
         if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
             return to.open(dataset_id, version)
         with to.backend.lock(f"{dataset_id}/{version}", timeout=to.lock_timeout):
+            if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
+                return to.open(dataset_id, version)  # another copier finished first
             to.backend.delete_prefix(f"{dataset_id}/{version}/")
             for i, info in enumerate(ref.manifest.chunks):
                 data = bytes(self.backend.get(info.key))

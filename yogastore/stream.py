@@ -274,6 +274,9 @@ class Stream:
         if drop_remainder:
             indices = (r for r in indices if len(r) == batch_size)
         source = self.source
+        plan = getattr(source, "plan", None)  # sources that look ahead (remote reads)
+        if plan is not None:
+            indices = plan(indices)
         if self.prefetch == 0:
             for records in indices:
                 yield records, source.gather(records)

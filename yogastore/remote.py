@@ -1,0 +1,674 @@
+"""Reading from an object store: only the bytes a rank needs, cached on local disk.
+
+``RemoteChunkSource`` is the ``ChunkSource`` of remote backends (``backend.remote``).
+For each chunk a batch touches it either
+
+* fetches the chunk *whole* (one request, verified against the chunk checksum
+  of the manifest) when the records this rank will need soon cover most of it,
+  as with ``Shuffle.BLOCK`` where a rank's positions are runs of whole chunks;
+* or fetches its *index* ``[0, index_bytes)`` in one ranged read, verified
+  against the chunk's ``index_checksum``, and then only the data bytes of the
+  records needed, as byte ranges coalesced where they touch, many in flight
+  on a thread pool (``Shuffle.GLOBAL``, span boundaries, small datasets).
+
+What is verified on the ranged path: the index checksum, and every offset and
+length derived from the index (``parse_header`` and ``ChunkView`` bounds checks,
+so a range never leaves the chunk). The data bytes of individual records are
+*not* checksummed on that path: a chunk's checksum covers the whole chunk,
+which a ranged reader never holds. Whole chunks are checksummed every time
+they are assembled.
+
+"Soon" is a horizon of upcoming batches: ``Stream`` hands its batches of
+record indices through ``plan``, which looks ahead a few chunks' worth of
+records, counts per chunk how many this rank will need, and prepares the next
+batches on background threads (read-ahead on top of the stream's own prefetch).
+
+Every byte range fetched goes through a local read-through cache
+(``yogastore.diskcache``): one LMDB file, ``remote-cache.mdb`` under the
+store's ``cache_dir`` or yogastore's default root, shared safely by the
+processes of one machine, bounded by ``cache_bytes`` with least-recently-used
+eviction. Each cached range carries an xxh3 digest checked on every hit; a bad
+entry is dropped and fetched again.
+
+``stats``: ``requests`` and ``bytes_fetched`` count network reads only;
+``cache_hits`` and ``cache_misses`` count byte ranges found whole in, or
+missing (partly) from, the disk cache; ``chunks_verified`` counts whole chunks
+checked against their checksum.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import logging
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import numpy.typing as npt
+
+from storage_backends import Backend
+from storage_backends.errors import (
+    CorruptCacheError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+)
+from yogastore.diskcache import DiskCache, Piece
+from yogastore.format import ChunkView, ColumnBatch, ColumnSpec, gather, parse_header
+from yogastore.manifest import ChunkInfo, Manifest, checksum
+from yogastore.reader import ReadStats, locate
+
+__all__ = ["RemoteChunkSource", "RemoteOptions", "coalesce"]
+
+logger = logging.getLogger(__name__)
+
+IntArray = npt.NDArray[np.int64]
+Range = tuple[int, int]  # [start, end) byte offsets within one chunk
+
+_MIB = 1 << 20
+_DEFAULT_CACHE_BYTES = 8 << 30
+_DEFAULT_PARALLEL = 16
+_WHOLE_GAP = 4096  # holes this close are fetched together when completing a chunk
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RemoteOptions:
+    """How a ``RemoteChunkSource`` reads.
+
+    Args:
+        cache_dir: directory of the disk cache (``None``: no disk cache).
+        cache_bytes: disk cache size limit; 0 disables it.
+        max_parallel: ranged reads in flight.
+        whole_fraction: fetch a chunk whole once this fraction of its records
+            is needed within the look-ahead horizon.
+        coalesce_gap: merge byte ranges separated by at most this many bytes.
+        overfetch: also merge ranges while the bytes skipped between them stay
+            within this fraction of the bytes needed (fewer requests).
+        horizon_chunks: look-ahead horizon, in chunks' worth of records.
+        readahead_batches: upcoming batches prepared in the background.
+        memory_bytes: chunk bytes kept in memory between batches.
+        max_request_bytes: split larger ranges into parallel requests.
+    """
+
+    cache_dir: Path | None = None
+    cache_bytes: int = _DEFAULT_CACHE_BYTES
+    max_parallel: int = _DEFAULT_PARALLEL
+    whole_fraction: float = 0.9
+    coalesce_gap: int = 256
+    overfetch: float = 0.05
+    horizon_chunks: int = 8
+    readahead_batches: int = 4
+    memory_bytes: int = 256 * _MIB
+    max_request_bytes: int = 16 * _MIB
+
+    def __post_init__(self) -> None:
+        for name in ("cache_bytes", "coalesce_gap", "readahead_batches", "memory_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("max_parallel", "horizon_chunks", "max_request_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= self.overfetch <= 1.0:
+            raise InvalidArgumentError(f"overfetch must be in [0, 1], got {self.overfetch!r}")
+        if not 0.0 < self.whole_fraction <= 1.0:
+            raise InvalidArgumentError(
+                f"whole_fraction must be in (0, 1], got {self.whole_fraction!r}"
+            )
+
+    @classmethod
+    def for_backend(cls, backend: Backend) -> RemoteOptions:
+        """Read the reader settings a remote backend carries (``cache_dir`` etc.)."""
+        from yogastore.store import default_root
+
+        cache_dir = getattr(backend, "cache_dir", None)
+        return cls(
+            cache_dir=Path(cache_dir).expanduser() if cache_dir is not None else default_root(),
+            cache_bytes=int(getattr(backend, "cache_bytes", _DEFAULT_CACHE_BYTES)),
+            max_parallel=int(getattr(backend, "max_parallel", _DEFAULT_PARALLEL)),
+        )
+
+
+def _cover(a: int, b: int, pieces: Sequence[Piece]) -> tuple[list[Piece], list[Range]]:
+    """Split ``[a, b)`` into the parts cached pieces cover and the gaps."""
+    fills: list[Piece] = []
+    gaps: list[Range] = []
+    pos = a
+    for p in pieces:
+        lo, hi = max(p.start, pos), min(p.end, b)
+        if hi <= lo:
+            continue
+        if lo > pos:
+            gaps.append((pos, lo))
+        fills.append(Piece(lo, hi, p.data[lo - p.start : hi - p.start]))
+        pos = hi
+    if pos < b:
+        gaps.append((pos, b))
+    return fills, gaps
+
+
+def coalesce(starts: IntArray, ends: IntArray, gap: int, overfetch: float = 0.0) -> list[Range]:
+    """Merge byte ranges that overlap or lie close together.
+
+    Ranges at most ``gap`` bytes apart always merge. Beyond that, neighbours
+    merge while the bytes skipped inside a merged range stay within
+    ``overfetch`` times the bytes it needs, so merging never inflates the bytes
+    fetched by more than that fraction.
+    """
+    keep = ends > starts
+    starts, ends = starts[keep], ends[keep]
+    if not len(starts):
+        return []
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1] + gap
+    firsts = np.nonzero(new)[0]
+    group_ends = np.maximum.reduceat(e, firsts)
+    merged = [(int(x), int(y)) for x, y in zip(s[firsts], group_ends, strict=True)]
+    if overfetch <= 0 or len(merged) < 2:
+        return merged
+    out = [merged[0]]
+    needed = merged[0][1] - merged[0][0]
+    skipped = 0
+    for a, b in merged[1:]:
+        lo, hi = out[-1]
+        hole = a - hi
+        if skipped + hole <= overfetch * (needed + b - a):
+            out[-1] = (lo, b)
+            needed += b - a
+            skipped += hole
+        else:
+            out.append((a, b))
+            needed, skipped = b - a, 0
+    return out
+
+
+# Chunk states ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _ChunkState:
+    """What this process holds of one chunk: nothing, its index and some records, or all."""
+
+    chunk: int
+    info: ChunkInfo
+    cid: bytes
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    buf: npt.NDArray[np.uint8] | None = None
+    view: ChunkView | None = None
+    header: dict[str, Any] | None = None
+    have: npt.NDArray[np.bool_] | None = None
+    whole: bool = False
+    resident: int = 0
+    pins: int = 0
+
+    def record_ranges(
+        self, records: IntArray, columns: Sequence[ColumnSpec]
+    ) -> tuple[IntArray, IntArray]:
+        """Return the data byte ranges (starts, ends) of ``records`` in every column."""
+        if self.view is None or self.header is None:  # pragma: no cover - index loaded first
+            raise CorruptCacheError(f"chunk {self.info.key}: index not loaded")
+        starts: list[IntArray] = []
+        ends: list[IntArray] = []
+        for i, (spec, col) in enumerate(zip(columns, self.view.columns, strict=True)):
+            base = int(self.header["cols"][i]["data"][0])
+            if spec.layout == "fixed":
+                row = spec.np_dtype.itemsize * math.prod(d or 0 for d in spec.shape)
+                s = base + records * row
+                e = s + row
+            elif col.offsets is None:  # pragma: no cover - var/bytes always have offsets
+                raise CorruptCacheError(f"chunk {self.info.key}: column {i} lacks offsets")
+            elif spec.layout == "var":
+                size = spec.np_dtype.itemsize
+                s = base + col.offsets[records] * size
+                e = base + col.offsets[records + 1] * size
+            else:
+                if col.boffsets is None:  # pragma: no cover
+                    raise CorruptCacheError(f"chunk {self.info.key}: column {i} lacks boffsets")
+                s = base + col.boffsets[col.offsets[records]]
+                e = base + col.boffsets[col.offsets[records + 1]]
+            starts.append(np.asarray(s, dtype=np.int64))
+            ends.append(np.asarray(e, dtype=np.int64))
+        if not starts:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty
+        return np.concatenate(starts), np.concatenate(ends)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Job:
+    """Byte ranges of one chunk to place into ``buf``."""
+
+    state: _ChunkState
+    buf: npt.NDArray[np.uint8]
+    ranges: list[Range]
+    gap: int
+    whole: bool = False
+    from_cache: bool = False
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Planned:
+    records: IntArray
+    chunks: IntArray
+    counts: IntArray
+    counted: bool = True
+    future: concurrent.futures.Future[None] | None = None
+
+
+class RemoteChunkSource:
+    """Gathers records from a remote backend with ranged reads and a disk cache.
+
+    Args:
+        backend: a backend with ``remote = True``.
+        manifest: the dataset version to read.
+        options: reader settings (default: from the backend's attributes).
+    """
+
+    def __init__(
+        self, backend: Backend, manifest: Manifest, options: RemoteOptions | None = None
+    ) -> None:
+        self.backend = backend
+        self.manifest = manifest
+        self.options = options or RemoteOptions.for_backend(backend)
+        self.stats = ReadStats()
+        self._columns = manifest.columns()
+        self._starts = manifest.chunk_starts()
+        self._states: collections.OrderedDict[int, _ChunkState] = collections.OrderedDict()
+        self._resident = 0
+        self._need = np.zeros(len(manifest.chunks), dtype=np.int64)
+        self._handed: dict[int, _Planned] = {}
+        self._lock = threading.Lock()
+        self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._prep_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        mean = manifest.num_records / max(len(manifest.chunks), 1)
+        self._horizon = max(int(mean * self.options.horizon_chunks), 1)
+        self._memory = max(
+            self.options.memory_bytes,
+            3 * self.options.horizon_chunks * max((c.nbytes for c in manifest.chunks), default=0),
+        )
+        self.cache: DiskCache | None = None
+        if self.options.cache_dir is not None and self.options.cache_bytes > 0:
+            try:
+                self.cache = DiskCache(self.options.cache_dir, self.options.cache_bytes)
+            except (lmdb.Error, OSError) as err:
+                logger.warning(
+                    "read cache under %s unavailable, reading from %s only: %s",
+                    self.options.cache_dir,
+                    backend.url,
+                    err,
+                )
+
+    # Public ----------------------------------------------------------------------
+
+    def gather(self, records: IntArray) -> list[ColumnBatch]:
+        """Return one ``ColumnBatch`` per column for ``records``, in order."""
+        with self._lock:
+            item = self._handed.pop(id(records), None)
+        if item is not None and item.records is not records:  # pragma: no cover - ids unique
+            item = None
+        records = np.asarray(records, dtype=np.int64)
+        try:
+            views, inverse, local = self._ensure(records, item)
+        finally:
+            if item is not None:
+                self._uncount(item)
+        with self._lock:
+            self.stats.records += len(records)
+            self.stats.batches += 1
+        out = [gather(c, views, inverse, local, i) for i, c in enumerate(self._columns)]
+        self._trim()
+        return out
+
+    def plan(self, batches: Iterator[IntArray]) -> Iterator[IntArray]:
+        """Pass ``batches`` through, looking ahead to decide and prefetch.
+
+        The batches yielded are the ones received, in order. While they flow,
+        the next ``readahead_batches`` are prepared on background threads, and
+        the records of the next ``horizon_chunks`` chunks' worth (plus batches
+        handed out but not gathered yet) are counted per chunk, so that a chunk
+        mostly needed soon is fetched whole.
+        """
+        ahead: collections.deque[_Planned] = collections.deque()
+        queued = 0
+        upstream = iter(batches)
+        exhausted = False
+        window = self.options.readahead_batches
+        try:
+            while True:
+                # The horizon starts after the batches being prepared, so each of
+                # them sees a full horizon of records beyond itself.
+                reach = self._horizon + sum(
+                    len(item.records) for item in itertools.islice(ahead, window)
+                )
+                while not exhausted and queued < reach:
+                    try:
+                        records = np.asarray(next(upstream), dtype=np.int64)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    which, _ = locate(self.manifest, self._starts, records)
+                    chunks, counts = np.unique(which, return_counts=True)
+                    item = _Planned(records, chunks, counts.astype(np.int64))
+                    with self._lock:
+                        self._need[chunks] += item.counts
+                    ahead.append(item)
+                    queued += len(records)
+                    if len(ahead) <= window:
+                        reach += len(records)
+                if not ahead:
+                    return
+                for item in itertools.islice(ahead, window):
+                    if item.future is None:
+                        item.future = self._prep().submit(self._prepare, item)
+                item = ahead.popleft()
+                queued -= len(item.records)
+                # Counted until gathered: the consumer may hold a few batches.
+                with self._lock:
+                    self._handed[id(item.records)] = item
+                yield item.records
+        finally:
+            with self._lock:
+                leftovers = [*ahead, *self._handed.values()]
+                self._handed.clear()
+            for item in leftovers:
+                self._uncount(item)
+                if item.future is not None:
+                    item.future.cancel()
+
+    def close(self) -> None:
+        """Stop the worker threads and drop the chunks held in memory."""
+        for pool in (self._prep_pool, self._fetch_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._prep_pool = self._fetch_pool = None
+        with self._lock:
+            self._states.clear()
+            self._resident = 0
+
+    # Planning ------------------------------------------------------------------------
+
+    def _uncount(self, item: _Planned) -> None:
+        with self._lock:
+            if item.counted:
+                self._need[item.chunks] -= item.counts
+                item.counted = False
+
+    def _prep(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._prep_pool is None:
+                self._prep_pool = concurrent.futures.ThreadPoolExecutor(
+                    2, thread_name_prefix="yoga-ahead"
+                )
+            return self._prep_pool
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._fetch_pool is None:
+                self._fetch_pool = concurrent.futures.ThreadPoolExecutor(
+                    self.options.max_parallel, thread_name_prefix="yoga-get"
+                )
+            return self._fetch_pool
+
+    def _prepare(self, item: _Planned) -> None:
+        try:
+            self._ensure(item.records, item)
+        except Exception as err:  # gather repeats the work and raises it properly
+            logger.debug("read-ahead failed, retried on demand: %s", err)
+
+    def _state(self, chunk: int) -> _ChunkState:
+        with self._lock:
+            state = self._states.get(chunk)
+            if state is None:
+                info = self.manifest.chunks[chunk]
+                state = _ChunkState(chunk, info, DiskCache.chunk_id(self.backend.url, info))
+                self._states[chunk] = state
+            else:
+                self._states.move_to_end(chunk)
+            state.pins += 1
+            return state
+
+    def _trim(self) -> None:
+        """Drop in-memory chunks, least recently used first, beyond the memory budget."""
+        with self._lock:
+            if self._resident <= self._memory:
+                return
+            for chunk, state in list(self._states.items()):
+                if self._resident <= self._memory * 3 // 4:
+                    break
+                if state.pins or self._need[chunk] > 0 or not state.lock.acquire(blocking=False):
+                    continue
+                try:
+                    del self._states[chunk]
+                    self._resident -= state.resident
+                finally:
+                    state.lock.release()
+
+    # Fetching -----------------------------------------------------------------------
+
+    def _where(self, state: _ChunkState) -> str:
+        return f"{self.manifest.where} chunk {state.chunk} ({state.info.key})"
+
+    def _ensure(
+        self, records: IntArray, item: _Planned | None = None
+    ) -> tuple[list[ChunkView], IntArray, IntArray]:
+        """Make every record of ``records`` readable; return views, chunk slots, locals.
+
+        ``item`` is the planned batch, if any: until it is gathered its records
+        are counted in ``_need``.
+        """
+        which, local = locate(self.manifest, self._starts, records)
+        chunks, inverse = np.unique(which, return_inverse=True)
+        inverse = inverse.astype(np.int64).reshape(-1)
+        states = [self._state(int(c)) for c in chunks]
+        try:
+            return self._ensure_states(states, chunks, inverse, local, item)
+        finally:
+            with self._lock:
+                for state in states:
+                    state.pins -= 1
+
+    def _ensure_states(
+        self,
+        states: list[_ChunkState],
+        chunks: IntArray,
+        inverse: IntArray,
+        local: IntArray,
+        item: _Planned | None,
+    ) -> tuple[list[ChunkView], IntArray, IntArray]:
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(states) + 1))
+        wanted = [np.unique(local[order[a:b]]) for a, b in itertools.pairwise(bounds)]
+        with contextlib.ExitStack() as stack:
+            for state in states:  # ascending chunk order: no lock-order cycles
+                stack.enter_context(state.lock)
+            whole_jobs: list[_Job] = []
+            index_jobs: list[_Job] = []
+            with self._lock:
+                need = self._need[chunks].copy()
+                counted = item is not None and item.counted
+            for state, want, soon in zip(states, wanted, need, strict=True):
+                if state.whole:
+                    continue
+                # Records of this chunk needed by this batch and the ones ahead.
+                expected = int(soon) + (0 if counted else len(want))
+                # A chunk already partly read by ranges is completed by ranges:
+                # fetching it whole would fetch those bytes again.
+                started = state.have is not None and bool(state.have.any())
+                if not started and expected >= self.options.whole_fraction * state.info.count:
+                    buf = np.empty(state.info.nbytes, dtype=np.uint8)
+                    job = _Job(state, buf, [(0, state.info.nbytes)], _WHOLE_GAP, whole=True)
+                    whole_jobs.append(job)
+                elif state.view is None:
+                    buf = np.zeros(state.info.nbytes, dtype=np.uint8)
+                    index_jobs.append(_Job(state, buf, [(0, state.info.index_bytes)], 0))
+            self._run(whole_jobs + index_jobs)
+            for job in whole_jobs:
+                self._install_whole(job)
+            for job in index_jobs:
+                self._install_index(job)
+            data_jobs: list[_Job] = []
+            missing_sets: list[tuple[_ChunkState, IntArray]] = []
+            for state, want in zip(states, wanted, strict=True):
+                if state.whole or state.have is None or state.buf is None:
+                    continue
+                missing = want[~state.have[want]]
+                if not len(missing):
+                    continue
+                starts, ends = state.record_ranges(missing, self._columns)
+                ranges = coalesce(starts, ends, self.options.coalesce_gap, self.options.overfetch)
+                if ranges:
+                    data_jobs.append(_Job(state, state.buf, ranges, self.options.coalesce_gap))
+                missing_sets.append((state, missing))
+            self._run(data_jobs)
+            with self._lock:
+                for state, missing in missing_sets:
+                    assert state.have is not None  # set with the index
+                    state.have[missing] = True
+                for job in data_jobs:
+                    added = sum(b - a for a, b in job.ranges)
+                    job.state.resident += added
+                    self._resident += added
+            views = []
+            for state in states:
+                if state.view is None:  # pragma: no cover - loaded above
+                    raise CorruptCacheError(f"{self._where(state)}: chunk was not loaded")
+                views.append(state.view)
+        return views, inverse, local
+
+    def _install_whole(self, job: _Job) -> None:
+        state = job.state
+        where = self._where(state)
+        if checksum(job.buf.data) != state.info.checksum:
+            if job.from_cache and self.cache is not None:
+                logger.warning("%s: cached copy fails its checksum; fetching it again", where)
+                self._cache_call(self.cache.drop_chunk, state.cid)
+                job.from_cache = False
+                self._run([job], use_cache=False)
+            if checksum(job.buf.data) != state.info.checksum:
+                raise CorruptCacheError(
+                    f"{where}: checksum mismatch; the cache is corrupted, delete and rebuild "
+                    "this version"
+                )
+        if self.cache is not None:
+            # One entry for the whole chunk replaces the ranges read before.
+            self._cache_call(self.cache.drop_chunk, state.cid)
+            self._cache_call(self.cache.update, [], [(state.cid, 0, job.buf.tobytes())])
+        view = ChunkView(job.buf.data, self._columns, state.info.count, where)
+        with self._lock:
+            self.stats.chunks_verified += 1
+            self._resident += state.info.nbytes - state.resident
+            state.resident = state.info.nbytes
+            state.buf, state.view, state.whole, state.have = job.buf, view, True, None
+
+    def _install_index(self, job: _Job) -> None:
+        state = job.state
+        where = self._where(state)
+        size = state.info.index_bytes
+        if checksum(job.buf[:size].data) != state.info.index_checksum:
+            if job.from_cache and self.cache is not None:
+                logger.warning("%s: cached index fails its checksum; fetching it again", where)
+                self._cache_call(self.cache.drop_chunk, state.cid)
+                self._run([job], use_cache=False)
+            if checksum(job.buf[:size].data) != state.info.index_checksum:
+                raise CorruptCacheError(f"{where}: chunk index checksum mismatch")
+        header = parse_header(job.buf.data[:size], state.info.nbytes, where)
+        if header.get("index_end") != size:
+            raise CorruptCacheError(
+                f"{where}: chunk index ends at {header.get('index_end')!r}, manifest says {size}"
+            )
+        view = ChunkView(job.buf.data, self._columns, state.info.count, where, header)
+        with self._lock:
+            state.buf, state.view, state.header = job.buf, view, header
+            state.have = np.zeros(state.info.count, dtype=bool)
+            state.resident = size
+            self._resident += size
+
+    def _cache_call(self, fn: Any, *args: Any) -> Any:
+        """Run a disk cache operation; on failure disable the cache, keep reading."""
+        try:
+            return fn(*args)
+        except (lmdb.Error, OSError) as err:
+            logger.warning("read cache disabled after an error: %s", err)
+            self.cache = None
+            return None
+
+    def _run(self, jobs: Sequence[_Job], use_cache: bool = True) -> None:
+        """Fill every job's ranges from the disk cache, then the network."""
+        if not jobs:
+            return
+        cache = self.cache if use_cache else None
+        fetches: list[tuple[_Job, int, int]] = []
+        touched: list[bytes] = []
+        hits = misses = 0
+        for job in jobs:
+            gaps: list[Range] = list(job.ranges)
+            if cache is not None:
+                found = self._cache_call(cache.read, job.state.cid, job.ranges)
+                if found is not None:
+                    pieces_per_range, used = found
+                    gaps, covered = [], 0
+                    for (a, b), pieces in zip(job.ranges, pieces_per_range, strict=True):
+                        fills, holes = _cover(a, b, pieces)
+                        for p in fills:
+                            job.buf[p.start : p.end] = np.frombuffer(p.data, dtype=np.uint8)
+                            covered += p.end - p.start
+                        gaps += holes
+                        hits += not holes
+                        misses += bool(holes)
+                    if job.whole and gaps and covered < job.state.info.nbytes // 2:
+                        # Mostly missing: one request for the chunk beats many for holes.
+                        gaps, covered = list(job.ranges), 0
+                    else:
+                        touched += used
+                    job.from_cache = covered > 0
+            if gaps:
+                starts = np.array([a for a, _ in gaps], dtype=np.int64)
+                ends = np.array([b for _, b in gaps], dtype=np.int64)
+                for a, b in coalesce(starts, ends, job.gap):
+                    step = self.options.max_request_bytes
+                    fetches += [(job, s, min(s + step, b)) for s in range(a, b, step)]
+        results: list[bytes] = []
+        if fetches:
+            pool = self._pool()
+            futures = [pool.submit(self._get, job, a, b) for job, a, b in fetches]
+            try:
+                results = [f.result() for f in futures]
+            finally:
+                for f in futures:
+                    f.cancel()
+        inserts = []
+        for (job, a, b), data in zip(fetches, results, strict=True):
+            job.buf[a:b] = np.frombuffer(data, dtype=np.uint8)
+            inserts.append((job.state.cid, a, data))
+        with self._lock:
+            self.stats.requests += len(fetches)
+            self.stats.bytes_fetched += sum(len(d) for d in results)
+            self.stats.cache_hits += hits
+            self.stats.cache_misses += misses
+        if cache is not None and (touched or inserts):
+            self._cache_call(cache.update, touched, inserts)
+
+    def _get(self, job: _Job, start: int, end: int) -> bytes:
+        try:
+            return bytes(self.backend.get_range(job.state.info.key, start, end - start))
+        except KeyNotFoundError as err:
+            raise CorruptCacheError(
+                f"{self._where(job.state)}: chunk listed in the manifest is missing from "
+                f"{self.backend.url}; delete and rebuild this version"
+            ) from err
+        except InvalidArgumentError as err:
+            raise CorruptCacheError(
+                f"{self._where(job.state)}: chunk is shorter than the {job.state.info.nbytes} "
+                "bytes the manifest records"
+            ) from err
