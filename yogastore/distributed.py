@@ -11,7 +11,8 @@
   ``hvd.size()``.
 * ``dataset_fn``: the function ``strategy.distribute_datasets_from_function``
   wants; input pipeline ``i`` of ``n`` reads shard ``i`` of ``n``.
-* ``PositionCallback``: the Keras side (advance per batch, save checkpoints).
+* ``PositionCallback`` (from ``yogastore.keras_callback``): the Keras side
+  (advance per batch, save checkpoints).
 
 Every shard runs the same number of steps per epoch, because a synchronous
 all-reduce hangs when one rank has a batch more than another: by default the
@@ -35,12 +36,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import keras  # type: ignore[import-untyped]
 import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore.keras_callback import PositionCallback
 from yogastore.order import Shuffle
 from yogastore.store import DEFAULT_BLOCK_WINDOW
 from yogastore.stream import Stream, StreamState
@@ -540,76 +541,3 @@ def dataset_fn(
         )
 
     return make
-
-
-class PositionCallback(keras.callbacks.Callback):  # type: ignore[misc]
-    """Keras callback: advance a ``StreamPosition`` per batch and save checkpoints.
-
-    ``manager`` should manage a ``tf.train.Checkpoint`` holding the model, its
-    optimizer and ``position``. Keras 3 takes every epoch of one ``fit`` call
-    to be as long as its first, so after restoring in the middle of an epoch
-    finish that epoch with a ``fit`` call of its own::
-
-        ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, data=position)
-        manager = tf.train.CheckpointManager(ckpt, ckpt_dir, max_to_keep=2)
-        ckpt.restore(manager.latest_checkpoint)
-        callback = PositionCallback(position, manager, save_every=100)
-        dataset = position.dataset(0, 1, 32)  # or a dataset_fn under a strategy
-        if position.mid_epoch:
-            model.fit(dataset, initial_epoch=position.epoch, epochs=position.epoch + 1,
-                      callbacks=[callback])
-        model.fit(dataset, initial_epoch=position.epoch, epochs=10, callbacks=[callback])
-
-    Do not pass ``steps_per_epoch``: each epoch is one pass over the dataset.
-    (Keras' own ``BackupAndRestore`` restarts at epoch boundaries only.)
-
-    Args:
-        position: the position the training data comes from.
-        manager: saves the checkpoint (``None``: only advance the position).
-        save_every: also save every this many steps (``None``: at epoch ends only).
-
-    Raises:
-        InvalidArgumentError: (from ``fit``) an epoch ended before its data
-            did, which would put later epochs out of step with the data.
-    """
-
-    def __init__(
-        self,
-        position: StreamPosition,
-        manager: tf.train.CheckpointManager | None = None,
-        save_every: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.position = position
-        self.manager = manager
-        self.save_every = None if save_every is None else _check_int("save_every", save_every, 1)
-        self._seen = 0
-        self._since_save = 0
-        self._data_epoch = 0
-
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._seen = 0
-        self._data_epoch = self.position.epoch
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        # With steps_per_execution > 1 Keras reports only the last batch of each call.
-        steps = batch + 1 - self._seen
-        self._seen = batch + 1
-        self.position.advance(steps)
-        self._since_save += steps
-        if self.manager is not None and self.save_every and self._since_save >= self.save_every:
-            self.manager.save()
-            self._since_save = 0
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if self.manager is not None:
-            self.manager.save()
-            self._since_save = 0
-        stopped = bool(getattr(self.model, "stop_training", False))
-        if self.position.epoch == self._data_epoch and not stopped:
-            raise InvalidArgumentError(
-                f"Keras epoch {epoch} ended after {self._seen} steps, before data epoch "
-                f"{self._data_epoch} did ({self.position!r}); do not pass steps_per_epoch, "
-                "and after restoring mid-epoch finish that epoch in a fit() call of its own "
-                "(see PositionCallback)"
-            )
