@@ -11,7 +11,13 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from yogastore import ComponentSpec, DatasetRef, InvalidArgumentError, Store  # noqa: E402
+from yogastore import (  # noqa: E402
+    ComponentSpec,
+    DatasetRef,
+    InvalidArgumentError,
+    Store,
+    StreamState,
+)
 from yogastore.distributed import (  # noqa: E402
     PositionCallback,
     Remainder,
@@ -207,6 +213,14 @@ def take(position: StreamPosition, shards: int, batch: int, steps: int | None) -
     return [np.concatenate(g) if g else np.empty(0, np.int64) for g in got]
 
 
+def unseen_records(ref: DatasetRef, state: StreamState) -> set[int]:
+    """The records of ``state``'s epoch nobody has read yet, straight from the order module."""
+    order = ref.stream(seed=SEED).order(state.epoch)
+    return set(
+        np.concatenate([order.records(np.arange(a, b)) for a, b in state.remaining]).tolist()
+    )
+
+
 def test_checkpoint_round_trips_the_position(tmp_path: Path) -> None:
     ref = make_ref(tmp_path, 101)
     position = StreamPosition(ref, seed=SEED)
@@ -230,10 +244,7 @@ def test_restore_reads_exactly_the_unseen_records(tmp_path: Path, resume_shards:
     rest = take(restored, resume_shards, batch, None)
     assert restored.epoch == 1, "the resumed run finishes the epoch"
 
-    order = ref.stream(seed=SEED).order(0)
-    unseen = set(
-        np.concatenate([order.records(np.arange(a, b)) for a, b in state.remaining]).tolist()
-    )
+    unseen = unseen_records(ref, state)
     trained_first = np.concatenate(first)
     trained_rest = np.concatenate(rest)
     assert not set(trained_first.tolist()) & unseen
@@ -254,6 +265,75 @@ def test_restore_reads_exactly_the_unseen_records(tmp_path: Path, resume_shards:
     for r in range(resume_shards):
         count = (records // resume_shards) // batch * batch
         np.testing.assert_array_equal(nxt[r], expected_span(ref, r, resume_shards, 1, count))
+
+
+def pad_source(ref: DatasetRef, shard: int, shards: int, epoch: int) -> np.ndarray:
+    """What ``Remainder.PAD`` pads a shard with: its span of the whole epoch (or the epoch)."""
+    stream = ref.stream(shard, shards, seed=SEED, epoch=epoch)
+    if len(stream) == 0:
+        stream = ref.stream(seed=SEED, epoch=epoch)
+    return np.concatenate(list(stream.record_indices(64)))
+
+
+@pytest.mark.parametrize(
+    ("records", "batch", "steps", "resume_shards"),
+    [(103, 8, 2, 2), (103, 8, 2, 1), (103, 8, 2, 3), (20, 3, 3, 4)],
+    ids=["same", "fewer", "more", "more-shards-than-records-left"],
+)
+def test_pad_restore_reads_the_unseen_records_and_pads_from_the_shard(
+    tmp_path: Path, records: int, batch: int, steps: int, resume_shards: int
+) -> None:
+    shards = 2
+    ref = make_ref(tmp_path, records)
+    before = take(StreamPosition(ref, seed=SEED, remainder=Remainder.PAD), shards, batch, None)
+    position = StreamPosition(ref, seed=SEED, remainder=Remainder.PAD)
+    first = take(position, shards, batch, steps)
+    state = position.state()
+    restored = restore(ref, save(position, tmp_path), seed=SEED, remainder=Remainder.PAD)
+    rest = take(restored, resume_shards, batch, None)
+    assert restored.epoch == 1, "the resumed run finishes the epoch"
+
+    # Equal steps on every shard, as many as the longest share of the rest needs.
+    longest = -(-state.remaining_records // resume_shards)
+    assert [len(r) for r in rest] == [-(-longest // batch) * batch] * resume_shards
+    unseen = unseen_records(ref, state)
+    assert not set(np.concatenate(first).tolist()) & unseen
+    assert unseen <= set(np.concatenate(rest).tolist()), "an unseen record was not read"
+    padded = 0
+    for r in range(resume_shards):
+        # The shard's share of the unseen records, then padding from its own span.
+        share = np.concatenate(list(ref.resume(state, r, resume_shards).record_indices(64)) or [[]])
+        np.testing.assert_array_equal(rest[r][: len(share)], share)
+        padding = rest[r][len(share) :]
+        padded += len(padding)
+        span = pad_source(ref, r, resume_shards, 0)
+        np.testing.assert_array_equal(padding, np.resize(span, len(padding)))
+    assert padded == resume_shards * len(rest[0]) - state.remaining_records > 0
+    if resume_shards == shards:
+        # Same shard count: each shard reads exactly what it would have without the
+        # restart, padding included.
+        for r in range(shards):
+            np.testing.assert_array_equal(np.concatenate([first[r], rest[r]]), before[r])
+
+
+def test_pad_restore_after_an_elastic_restore_is_exact_again(tmp_path: Path) -> None:
+    # Padding depends on the epoch, shard count and rank only, so a second
+    # restore with the count of the first restore continues that run exactly.
+    ref = make_ref(tmp_path, 103)
+    pad = {"seed": SEED, "remainder": Remainder.PAD}
+    position = StreamPosition(ref, **pad)
+    take(position, 2, 8, 2)
+    (tmp_path / "a").mkdir()
+    path = save(position, tmp_path / "a")
+    uninterrupted = take(restore(ref, path, **pad), 3, 8, None)
+    elastic = restore(ref, path, **pad)
+    first = take(elastic, 3, 8, 1)
+    (tmp_path / "b").mkdir()
+    again = restore(ref, save(elastic, tmp_path / "b"), **pad)
+    rest = take(again, 3, 8, None)
+    assert [len(u) for u in uninterrupted] == [24, 24, 24]  # 71 left: 23 + 1 padding on shard 0
+    for r in range(3):
+        np.testing.assert_array_equal(np.concatenate([first[r], rest[r]]), uninterrupted[r])
 
 
 def test_elastic_restores_compose(tmp_path: Path) -> None:

@@ -18,13 +18,14 @@ Every shard runs the same number of steps per epoch, because a synchronous
 all-reduce hangs when one rank has a batch more than another: by default the
 records that do not fill a whole step on every shard are left out of that
 epoch (``Remainder.DROP``; fewer than ``num_shards * (records_per_step + 1)``
-of them); ``Remainder.PAD`` instead repeats records of a shard to fill its last
-step.
+of them); ``Remainder.PAD`` instead fills each shard's last step with records
+of that shard's span of the epoch (see ``Remainder.PAD``).
 
 A saved position restores exactly: with the same number of shards every shard
-reads the same batches an uninterrupted run would have read; with a different
-number the shards together read exactly the records of the epoch nobody has
-trained on yet, then continue with later epochs as usual.
+reads the same batches an uninterrupted run would have read (padding
+included); with a different number the shards together read exactly the
+records of the epoch nobody has trained on yet, then continue with later
+epochs as usual.
 """
 
 from __future__ import annotations
@@ -70,7 +71,20 @@ class Remainder(enum.Enum):
     DROP = "drop"
     """Leave them out of this epoch (each epoch's new order leaves out other records)."""
     PAD = "pad"
-    """Fill each shard's last step by repeating that shard's first records."""
+    """Fill each shard's last step with the first records of its span of the epoch.
+
+    Shard ``r`` of ``n`` pads with the first records (cycled if needed) of
+    what it reads of a whole, fresh epoch split ``n`` ways, i.e. of
+    ``ref.stream(r, n, epoch=e)``; a shard with no records in that split
+    (fewer records than shards) pads from the start of the epoch's order. So
+    padding depends only on the epoch, the shard count and the rank: a
+    restore with the same count pads exactly as the uninterrupted run. After
+    a restore with another count, shard ``r`` reads its share of the records
+    nobody has trained on yet, then pads with the first records of its span
+    of the epoch split the new number of ways (records that may have been
+    trained on before the restore); every shard runs ``ceil(longest share /
+    records per step)`` steps, also a shard whose share is empty.
+    """
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -446,23 +460,30 @@ class _EpochRest(Stream):
                 raise RuntimeError(
                     f"shard {self.shard_rank} ran out after {done} of {count} batches"
                 )
-            yield from _padding(stream, start, tail, batch_size, (count - done) * batch_size)
+            fresh = position._fresh(start.shuffle, start.seed, start.epoch, start.block_window)
+            yield from _padding(stream, fresh, tail, batch_size, (count - done) * batch_size)
 
 
 def _padding(
-    stream: Stream, start: StreamState, tail: IntArray, batch_size: int, total: int
+    stream: Stream, fresh: StreamState, tail: IntArray, batch_size: int, total: int
 ) -> Iterator[Any]:
-    """Yield ``total`` records: ``tail``, then the shard's first records repeated."""
-    source = stream
-    if len(source) == 0:
-        # Fewer records left than shards: repeat from the whole remainder instead.
-        source = stream.ref.resume(start, 0, 1, num_epochs=1, prefetch=0)
+    """Yield ``total`` records: ``tail``, then padding as ``Remainder.PAD`` defines it.
+
+    ``fresh`` is the whole epoch, so the padding does not depend on where
+    the epoch was resumed (a resumed shard's own span is only its rest).
+    """
+    ref = stream.ref
+    span = ref.resume(fresh, stream.shard_rank, stream.num_shards, num_epochs=1, prefetch=0)
+    if len(span) == 0:
+        # Fewer records than shards: this shard's span is empty.
+        span = ref.resume(fresh, 0, 1, num_epochs=1, prefetch=0)
     need = total - len(tail)
-    head = next(source.record_indices(min(len(source), need)))
+    head = next(span.record_indices(min(len(span), need)))
     records = np.concatenate([tail, np.resize(head, need)])
+    source = stream.source  # the chunk source the shard already reads through
     for lo in range(0, len(records), batch_size):
         piece = records[lo : lo + batch_size]
-        yield piece, source.source.gather(piece)
+        yield piece, source.gather(piece)
 
 
 def horovod_stream(
