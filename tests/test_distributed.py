@@ -302,7 +302,8 @@ def test_pad_restore_reads_the_unseen_records_and_pads_from_the_shard(
     padded = 0
     for r in range(resume_shards):
         # The shard's share of the unseen records, then padding from its own span.
-        share = np.concatenate(list(ref.resume(state, r, resume_shards).record_indices(64)) or [[]])
+        pieces = list(ref.resume(state, r, resume_shards).record_indices(64))
+        share = np.concatenate(pieces) if pieces else np.empty(0, np.int64)
         np.testing.assert_array_equal(rest[r][: len(share)], share)
         padding = rest[r][len(share) :]
         padded += len(padding)
@@ -320,7 +321,7 @@ def test_pad_restore_after_an_elastic_restore_is_exact_again(tmp_path: Path) -> 
     # Padding depends on the epoch, shard count and rank only, so a second
     # restore with the count of the first restore continues that run exactly.
     ref = make_ref(tmp_path, 103)
-    pad = {"seed": SEED, "remainder": Remainder.PAD}
+    pad: dict[str, Any] = {"seed": SEED, "remainder": Remainder.PAD}
     position = StreamPosition(ref, **pad)
     take(position, 2, 8, 2)
     (tmp_path / "a").mkdir()
