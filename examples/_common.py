@@ -8,6 +8,8 @@ Imports of TensorFlow and Keras happen inside functions so a launcher process
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -53,8 +55,10 @@ def synthetic_dataset(store: str | None, num_records: int) -> DatasetRef:
         "x": ComponentSpec(shape=(DIM,), dtype="float32"),
         "y": ComponentSpec(shape=(), dtype="int64"),
     }
-    # Every rank calls this; the store's build lock lets exactly one build it.
-    return Store(store).cache("separable", f"n{num_records}-d{DIM}", make, spec=spec)
+    # Every rank calls this; the store's build lock lets exactly one build it
+    # (the others wait for it, at most lock_timeout seconds).
+    cache = Store(store, lock_timeout=300)
+    return cache.cache("separable", f"n{num_records}-d{DIM}", make, spec=spec)
 
 
 def make_model() -> Any:
@@ -105,20 +109,46 @@ def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """Return ``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago.
+
+    Every socket stays bound until all ports are picked, so the ports are
+    distinct, and all are closed together just before the workers start.
+    A small race remains: between the close and a worker binding its port
+    (after importing TensorFlow, a few seconds) another process may bind it.
+    The worker then fails to start its server and ``launch_workers`` stops
+    the job with that worker's exit code; rerunning picks new ports.
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+
+
+def exit_after(seconds: float) -> None:
+    """End this process (exit code 1, tracebacks on stderr) if it still runs after ``seconds``.
+
+    A MultiWorkerMirroredStrategy worker waits for its peers with no time
+    limit, inside TensorFlow and holding the GIL, so a Python timer would
+    never fire; faulthandler's watchdog is a C thread and does. This bounds
+    the wait also for a worker started by hand with ``TF_CONFIG``.
+    """
+    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def launch_workers(script: str, argv: list[str], num_workers: int, timeout: float) -> int:
     """Run ``num_workers`` copies of ``script`` as one MultiWorkerMirroredStrategy job.
 
     Each worker gets a ``TF_CONFIG`` naming every worker on 127.0.0.1 at a
-    free port. If one worker fails, the others are stopped (they would wait
-    forever in a collective). Returns the first non-zero exit code, or 0.
+    free port (see ``free_ports``). If one worker fails, the others are
+    stopped (they would wait in a collective); after ``timeout`` seconds all
+    are. Returns the first non-zero exit code, 124 on timeout, or 0.
     """
-    hosts = [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
+    hosts = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
     procs = []
     for index in range(num_workers):
         env = dict(os.environ)
@@ -135,16 +165,24 @@ def launch_workers(script: str, argv: list[str], num_workers: int, timeout: floa
     signal.signal(signal.SIGTERM, stop_all)
     deadline = time.monotonic() + timeout
     code = 0
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+    while True:
+        codes = [p.poll() for p in procs]  # poll every worker, not just up to a live one
+        if None not in codes:
+            break
+        failed = [c for c in codes if c not in (None, 0)]
         if failed or time.monotonic() > deadline:
             code = failed[0] if failed else 124
-            print(f"launcher: stopping workers (exit codes {[p.poll() for p in procs]})")
+            print(f"launcher: stopping workers (exit codes {codes})")
             stop_all()
             break
         time.sleep(0.1)
     for p in procs:
-        p.wait()
+        try:
+            p.wait(timeout=30)  # killed or already gone: returns at once
+        except subprocess.TimeoutExpired:
+            print(f"launcher: worker {p.pid} did not exit after SIGKILL")
+            code = code or 124
+            continue
         if code == 0 and p.returncode:
             code = p.returncode
     return code

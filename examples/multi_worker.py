@@ -27,7 +27,9 @@ def parse_args() -> argparse.Namespace:
     _common.add_common_flags(parser)
     parser.add_argument("--workers", type=int, default=2, help="workers to start (launcher)")
     parser.add_argument("--batch-size", type=int, default=16, help="records per replica per step")
-    parser.add_argument("--timeout", type=float, default=600, help="launcher: seconds to wait")
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="seconds until launcher and workers give up"
+    )
     return parser.parse_args()
 
 
@@ -86,6 +88,7 @@ def main() -> int:
     args = parse_args()
     if "TF_CONFIG" not in os.environ:
         return _common.launch_workers(__file__, sys.argv[1:], args.workers, args.timeout)
+    _common.exit_after(args.timeout)  # bounds the wait for peers that never come
     train(args)
     return 0
 

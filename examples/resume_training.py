@@ -38,7 +38,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--save-every", type=int, default=2, help="steps between checkpoints")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step")
-    parser.add_argument("--timeout", type=float, default=600, help="launcher: seconds to wait")
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="seconds until launcher and workers give up"
+    )
     return parser.parse_args()
 
 
@@ -117,6 +119,7 @@ def main() -> int:
     args = parse_args()
     if "TF_CONFIG" not in os.environ:
         return _common.launch_workers(__file__, sys.argv[1:], args.workers, args.timeout)
+    _common.exit_after(args.timeout)  # bounds the wait for peers that never come
     train(args)
     return 0
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,11 +42,11 @@ def example_env() -> dict[str, str]:
     return env
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own process group, output to ``log``."""
     with open(log, "wb") as out:
         return subprocess.Popen(
-            cmd, cwd=ROOT, env=example_env(), stdout=out, stderr=subprocess.STDOUT,
+            cmd, cwd=ROOT, env=env or example_env(), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
 
@@ -144,6 +145,78 @@ def example_flags(tmp_path: Path, records: int, epochs: int) -> list[str]:
     ]  # fmt: skip
 
 
+# The launcher ------------------------------------------------------------------------
+
+
+def load_common() -> Any:
+    spec = importlib.util.spec_from_file_location("_common", EXAMPLES / "_common.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = load_common().free_ports(8)
+    assert len(set(ports)) == 8
+    with contextlib.ExitStack() as stack:
+        for port in ports:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("worker", "expected"),
+    [
+        ("import time; time.sleep(120)", 124),  # nobody finishes: stopped at the deadline
+        (  # worker 1 fails: worker 0, stuck waiting for it, is stopped at once
+            "import json, os, sys, time\n"
+            "if json.loads(os.environ['TF_CONFIG'])['task']['index'] == 1: sys.exit(3)\n"
+            "time.sleep(120)",
+            3,
+        ),
+    ],
+    ids=["timeout", "one-fails"],
+)
+def test_launcher_stops_every_worker(tmp_path: Path, worker: str, expected: int) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    handler = signal.getsignal(signal.SIGTERM)  # launch_workers installs its own
+    started = time.monotonic()
+    try:
+        code = load_common().launch_workers(str(script), [], 2, timeout=3)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert code == expected
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_worker_whose_peer_never_comes_gives_up_at_its_timeout(tmp_path: Path) -> None:
+    env = example_env()
+    hosts = [f"127.0.0.1:{port}" for port in load_common().free_ports(2)]
+    env["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": 0}}
+    )
+    cmd = [
+        sys.executable, str(EXAMPLES / "multi_worker.py"),
+        *example_flags(tmp_path, 64, 1), "--timeout", "10",
+    ]  # fmt: skip
+    log = tmp_path / "alone.log"
+    proc = start(cmd, log, env)
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        pytest.fail(f"the worker did not give up\n{tail(log)}")
+    assert code == 1, tail(log)
+    text = log.read_text()
+    assert "Timeout (0:00:10)!" in text  # faulthandler's watchdog ended it ...
+    assert "collective_all_reduce_strategy.py" in text  # ... while it waited for its peer
+
+
 # Horovod ----------------------------------------------------------------------------
 
 
@@ -228,16 +301,21 @@ def test_mirrored_strategy_example_two_replicas(tmp_path: Path) -> None:
 
 
 def wait_for_step(proc: subprocess.Popen[bytes], log: Path, ids_log: Path, step: int) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"training ended before step {step}\n{tail(log)}"
-        if ids_log.exists():
-            done = [json.loads(x) for x in ids_log.read_text().splitlines() if x.endswith("}")]
-            if done and done[-1]["step"] >= step:
-                return
-        time.sleep(0.05)
-    kill_group(proc)
-    pytest.fail(f"step {step} not reached in time\n{tail(log)}")
+    """Wait (at most 180 s) until ``ids_log`` has ``step``; on any failure kill the job."""
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"training ended before step {step}\n{tail(log)}"
+            if ids_log.exists():
+                lines = ids_log.read_text().splitlines()
+                done = [json.loads(x) for x in lines if x.endswith("}")]
+                if done and done[-1]["step"] >= step:
+                    return
+            time.sleep(0.05)
+        pytest.fail(f"step {step} not reached in time\n{tail(log)}")
+    except BaseException:
+        kill_group(proc)
+        raise
 
 
 @pytest.mark.slow
