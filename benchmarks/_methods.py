@@ -78,7 +78,8 @@ def tfrecord_sequential(ctx: Context) -> dict[str, Any]:
     case = ctx.case
     name = "TFRecordDataset sequential, batched, decoded"
     verifier = Verifier(ctx.data)
-    seconds = timed(lambda: verify_tf(tfrecord_batches(ctx.tfrecord, case, 1), verifier))
+    verify_tf(tfrecord_batches(ctx.tfrecord, case, 1), verifier)
+    seconds = timed(lambda: consume(tfrecord_batches(ctx.tfrecord, case, 1), tf_labels))
     passes = case.passes(case.records, seconds)
     expected = np.tile(ctx.labels, passes)
     runs = repeat_runs(
@@ -158,9 +159,8 @@ def stream_tf_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         streams.append(stream)
         return stream.to_tf_dataset(batch_size=case.batch_size)
 
-    start = time.perf_counter()
     warm = consume(dataset(1), tf_labels).check(stream_indices(ref, case, 1))
-    passes = case.passes(span, time.perf_counter() - start)
+    passes = case.passes(span, timed(lambda: consume(dataset(1), tf_labels)))
     first_epoch_stats = streams[-1].stats()
     runs = repeat_runs(
         lambda: consume(dataset(passes), tf_labels), case.repeats, stream_indices(ref, case, passes)
@@ -224,8 +224,9 @@ def stream_numpy(ctx: Context) -> dict[str, Any]:
         for batch in first.batches(case.batch_size):
             verifier.add(batch["x"], batch["y"])
 
-    seconds = timed(check)
+    check()
     stats = first.stats()
+    seconds = timed(lambda: consume(_stream(ctx, 1).batches(case.batch_size), lambda b: b["y"]))
     passes = case.passes(case.rank_span(), seconds)
     runs = repeat_runs(
         lambda: consume(_stream(ctx, passes).batches(case.batch_size), lambda b: b["y"]),
@@ -287,15 +288,16 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
     save_seconds = time.perf_counter() - start
     disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
     verifier = Verifier(ctx.data)
-    seconds = timed(lambda: verify_tf(tf.data.Dataset.load(path).batch(case.batch_size), verifier))
+    verify_tf(tf.data.Dataset.load(path).batch(case.batch_size), verifier)
     ctx.full_load_labels = np.concatenate(verifier.labels)
-    passes = case.passes(case.records, seconds)
 
     def load(shard: bool, passes: int) -> Any:
         ds = tf.data.Dataset.load(path)
         if shard:
             ds = ds.shard(case.num_shards, case.shard_rank)
         return ds.repeat(passes).batch(case.batch_size).prefetch(tf.data.AUTOTUNE)
+
+    passes = case.passes(case.records, timed(lambda: consume(load(False, 1), tf_labels)))
 
     runs = repeat_runs(
         lambda: consume(load(False, passes), tf_labels), case.repeats, np.tile(ctx.labels, passes)
@@ -316,7 +318,8 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
     ]
     shard_labels = ctx.full_load_labels[case.shard_rank :: case.num_shards]
     verifier = Verifier(ctx.data)
-    shard_passes = case.passes(len(shard_labels), timed(lambda: verify_tf(load(True, 1), verifier)))
+    verify_tf(load(True, 1), verifier)
+    shard_passes = case.passes(len(shard_labels), timed(lambda: consume(load(True, 1), tf_labels)))
     runs = repeat_runs(
         lambda: consume(load(True, shard_passes), tf_labels),
         case.repeats,
@@ -336,7 +339,11 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
     shard_labels = ctx.labels[case.shard_rank :: case.num_shards]
     verifier = Verifier(ctx.data)
     single = tfrecord_batches(ctx.tfrecord, case, 1, shard=True)
-    shard_passes = case.passes(len(shard_labels), timed(lambda: verify_tf(single, verifier)))
+    verify_tf(single, verifier)
+    shard_passes = case.passes(
+        len(shard_labels),
+        timed(lambda: consume(tfrecord_batches(ctx.tfrecord, case, 1, shard=True), tf_labels)),
+    )
     runs = repeat_runs(
         lambda: consume(tfrecord_batches(ctx.tfrecord, case, shard_passes, shard=True), tf_labels),
         case.repeats,

@@ -547,7 +547,8 @@ def _gather_fixed(
     low = int(addresses.argmin())
     rows = _row_span(cols[low].data, max(c.address + c.data.nbytes for c in cols), row)
     starts = (addresses - cols[low].address)[which] + local * row
-    return rows[starts].view(spec.np_dtype).reshape(n, *dims)
+    out: np.ndarray = rows[starts].view(spec.np_dtype).reshape(n, *dims)
+    return out
 
 
 class FixedRows:

@@ -43,6 +43,8 @@ __all__ = [
 
 _FIRST_PASS_BATCH = 512
 _UNBATCH_INTERNAL = 256
+_GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, at most
+_MAX_GROUP = 64  # batches per Python call, at most
 
 
 def _is_spec(x: Any) -> bool:
@@ -225,7 +227,9 @@ def to_tf_dataset(
     schema = stream.ref.schema
     where = stream.ref.manifest.where
     unbatch = batch_size is None
-    if unbatch and not all(c.fixed for c in schema.components):
+    if schema.components and all(c.fixed for c in schema.components):
+        return _fixed_dataset(stream, schema, batch_size, drop_remainder)
+    if unbatch:
         return _per_element_dataset(stream, schema)
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     static = size if (drop_remainder and not unbatch) else None
@@ -246,6 +250,66 @@ def to_tf_dataset(
     )
     if unbatch:
         ds = ds.unbatch()
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _group_factor(stream: Stream, schema: Schema, size: int) -> int:
+    """Return how many batches one Python call hands to ``tf.data`` (about 8 MiB)."""
+    from yogastore.stream import Stream
+
+    # A subclass may give batches of ``size`` a meaning of their own (steps,
+    # padding): read it batch by batch.
+    if type(stream).column_batches is not Stream.column_batches:
+        return 1
+    row = 0
+    for comp in schema.components:
+        itemsize = 64 if comp.dtype == "string" else np.dtype(comp.dtype).itemsize
+        row += itemsize * int(np.prod([d or 0 for d in comp.shape], dtype=np.int64))
+    return max(1, min(_MAX_GROUP, _GROUP_BYTES // max(1, size * row)))
+
+
+def _fixed_dataset(
+    stream: Stream, schema: Schema, batch_size: int | None, drop_remainder: bool
+) -> tf.data.Dataset:
+    """Fixed-shape components: several batches per Python call, split by ``unbatch``.
+
+    Each call of ``from_generator`` costs a few hundred microseconds whatever
+    its size, so the generator hands over ``[k, batch, ...]`` groups of ``k``
+    consecutive batches and ``unbatch`` splits them in C++. With
+    ``batch_size=None`` it hands over ``[n, ...]`` records and ``unbatch``
+    yields them one by one.
+    """
+    where = stream.ref.manifest.where
+    unbatch = batch_size is None
+    size = _UNBATCH_INTERNAL if batch_size is None else batch_size
+    k = _group_factor(stream, schema, size)
+    comps = schema.components
+    inner = size if drop_remainder else None
+    specs = schema.pack(
+        [
+            tf.TensorSpec(
+                [None, *c.shape] if unbatch else [None, inner, *c.shape], _tf_dtype(c.dtype)
+            )
+            for c in comps
+        ]
+    )
+
+    def generate() -> Iterator[Any]:
+        for _records, cols in stream.column_batches(size * k):
+            arrays = batch_components(schema, cols, where)
+            n = len(arrays[0])
+            if unbatch:
+                yield schema.pack(arrays)
+                continue
+            full = n // size * size
+            if full:
+                yield schema.pack(
+                    [a[:full].reshape(full // size, size, *a.shape[1:]) for a in arrays]
+                )
+            if full < n and not drop_remainder:
+                yield schema.pack([a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays])
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=specs).unbatch()
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
