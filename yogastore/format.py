@@ -175,11 +175,11 @@ class ChunkBuilder:
 
     def encode(self) -> bytes:
         """Return the chunk bytes for everything added so far."""
-        regions: list[tuple[str, int, np.ndarray | bytes]] = []  # (kind, col, data)
+        regions: list[tuple[str, int, Region]] = []  # (kind, col, data)
         for i, (col, parts) in enumerate(zip(self.columns, self._parts, strict=True)):
             if col.layout == "fixed":
-                data = np.concatenate(parts) if parts else np.empty((0, *_dims(col)), col.np_dtype)
-                regions.append(("data", i, np.ascontiguousarray(data, col.np_dtype)))
+                # The parts are copied straight into the chunk, not concatenated first.
+                regions.append(("data", i, [np.ascontiguousarray(p, col.np_dtype) for p in parts]))
                 continue
             if col.layout == "var":
                 shapes = np.array([p.shape for p in parts], dtype=_I64).reshape(
@@ -217,12 +217,24 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def encode_chunk(
-    count: int, num_columns: int, regions: Sequence[tuple[str, int, np.ndarray | bytes]]
-) -> bytes:
+#: A region's content: an array, bytes, or a list of arrays laid out one after another.
+Region = np.ndarray | bytes | list[np.ndarray]
+
+
+def _pieces(buf: Region) -> list[memoryview]:
+    arrays = buf if isinstance(buf, list) else [buf]
+    out = []
+    for a in arrays:
+        view = np.ascontiguousarray(a).data if isinstance(a, np.ndarray) else memoryview(a)
+        out.append(view.cast("B") if view.nbytes else memoryview(b""))
+    return out
+
+
+def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int, Region]]) -> bytes:
     """Lay out regions (index regions first) behind a JSON header."""
     ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
-    sizes = [buf.nbytes if isinstance(buf, np.ndarray) else len(buf) for _k, _c, buf in ordered]
+    contents = [_pieces(buf) for _k, _c, buf in ordered]
+    sizes = [sum(v.nbytes for v in views) for views in contents]
     # The header lists region offsets, which depend on the header's own size:
     # reserve room, and grow it until the header fits.
     room = 128 + 64 * len(ordered)
@@ -243,18 +255,15 @@ def encode_chunk(
         if len(header) <= room:
             break
         room = len(header) + 64
-    out = bytearray(pos)
-    _PREFIX.pack_into(out, 0, MAGIC, len(header))
-    out[_PREFIX.size : _PREFIX.size + len(header)] = header
-    dest = np.frombuffer(out, dtype=np.uint8)
-    for (_kind, _col, buf), start, size in zip(ordered, starts, sizes, strict=True):
-        if size:
-            if isinstance(buf, np.ndarray):
-                raw = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
-            else:
-                raw = np.frombuffer(buf, dtype=np.uint8)
-            dest[start : start + size] = raw
-    return bytes(out)
+    # One join: every byte is copied once; gaps (alignment padding) are zeros.
+    pieces: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, len(header)), header]
+    end = _PREFIX.size + len(header)
+    for views, start, size in zip(contents, starts, sizes, strict=True):
+        pieces.append(bytes(start - end))
+        pieces.extend(views)
+        end = start + size
+    pieces.append(bytes(pos - end))
+    return b"".join(pieces)
 
 
 # Reading ---------------------------------------------------------------------
