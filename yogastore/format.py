@@ -225,7 +225,11 @@ def _pieces(buf: Region) -> list[memoryview]:
     arrays = buf if isinstance(buf, list) else [buf]
     out = []
     for a in arrays:
-        view = np.ascontiguousarray(a).data if isinstance(a, np.ndarray) else memoryview(a)
+        if isinstance(a, np.ndarray):
+            # As raw bytes: some dtypes (bfloat16) have no buffer-protocol format.
+            view = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+        else:
+            view = memoryview(a)
         out.append(view.cast("B") if view.nbytes else memoryview(b""))
     return out
 
