@@ -32,7 +32,7 @@ class Case:
     num_shards: int = 4
     shard_rank: int = 0
     seed: int = 0
-    read_bytes: int = 512 << 20
+    read_bytes: int = 1024 << 20
     max_records: int = 600_000
     max_seconds: float = 2.5
     repeats: int = 3
@@ -196,6 +196,16 @@ def repeat_runs(run: Callable[[], Tally], repeats: int, expected: np.ndarray) ->
         "runs_ok": all(c["ok"] for c in checks),
         "run_check": checks[mid],
     }
+
+
+def plan_passes(case: Case, per_pass: int, run: Callable[[int], Any]) -> int:
+    """Return the passes of one timed run, from an untimed probe of up to three passes.
+
+    The probe runs after the method's checking pass, so it is warm; three
+    passes in one pipeline keep its start-up cost from dominating the estimate.
+    """
+    probe = min(case.passes(per_pass, 0.0), 3)
+    return case.passes(per_pass, timed(lambda: run(probe)) / probe)
 
 
 def timed(fn: Callable[[], Any]) -> float:

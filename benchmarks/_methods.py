@@ -29,6 +29,7 @@ from benchmarks._common import (
     index_batches,
     io_read_chars,
     peak_rss_mib,
+    plan_passes,
     repeat_runs,
     rss_mib,
     stream_indices,
@@ -79,8 +80,9 @@ def tfrecord_sequential(ctx: Context) -> dict[str, Any]:
     name = "TFRecordDataset sequential, batched, decoded"
     verifier = Verifier(ctx.data)
     verify_tf(tfrecord_batches(ctx.tfrecord, case, 1), verifier)
-    seconds = timed(lambda: consume(tfrecord_batches(ctx.tfrecord, case, 1), tf_labels))
-    passes = case.passes(case.records, seconds)
+    passes = plan_passes(
+        case, case.records, lambda p: consume(tfrecord_batches(ctx.tfrecord, case, p), tf_labels)
+    )
     expected = np.tile(ctx.labels, passes)
     runs = repeat_runs(
         lambda: consume(tfrecord_batches(ctx.tfrecord, case, passes), tf_labels),
@@ -160,7 +162,7 @@ def stream_tf_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         return stream.to_tf_dataset(batch_size=case.batch_size)
 
     warm = consume(dataset(1), tf_labels).check(stream_indices(ref, case, 1))
-    passes = case.passes(span, timed(lambda: consume(dataset(1), tf_labels)))
+    passes = plan_passes(case, span, lambda p: consume(dataset(p), tf_labels))
     first_epoch_stats = streams[-1].stats()
     runs = repeat_runs(
         lambda: consume(dataset(passes), tf_labels), case.repeats, stream_indices(ref, case, passes)
@@ -226,8 +228,11 @@ def stream_numpy(ctx: Context) -> dict[str, Any]:
 
     check()
     stats = first.stats()
-    seconds = timed(lambda: consume(_stream(ctx, 1).batches(case.batch_size), lambda b: b["y"]))
-    passes = case.passes(case.rank_span(), seconds)
+    passes = plan_passes(
+        case,
+        case.rank_span(),
+        lambda p: consume(_stream(ctx, p).batches(case.batch_size), lambda b: b["y"]),
+    )
     runs = repeat_runs(
         lambda: consume(_stream(ctx, passes).batches(case.batch_size), lambda b: b["y"]),
         case.repeats,
@@ -297,7 +302,7 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
             ds = ds.shard(case.num_shards, case.shard_rank)
         return ds.repeat(passes).batch(case.batch_size).prefetch(tf.data.AUTOTUNE)
 
-    passes = case.passes(case.records, timed(lambda: consume(load(False, 1), tf_labels)))
+    passes = plan_passes(case, case.records, lambda p: consume(load(False, p), tf_labels))
 
     runs = repeat_runs(
         lambda: consume(load(False, passes), tf_labels), case.repeats, np.tile(ctx.labels, passes)
@@ -319,7 +324,7 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
     shard_labels = ctx.full_load_labels[case.shard_rank :: case.num_shards]
     verifier = Verifier(ctx.data)
     verify_tf(load(True, 1), verifier)
-    shard_passes = case.passes(len(shard_labels), timed(lambda: consume(load(True, 1), tf_labels)))
+    shard_passes = plan_passes(case, len(shard_labels), lambda p: consume(load(True, p), tf_labels))
     runs = repeat_runs(
         lambda: consume(load(True, shard_passes), tf_labels),
         case.repeats,
@@ -340,9 +345,10 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
     verifier = Verifier(ctx.data)
     single = tfrecord_batches(ctx.tfrecord, case, 1, shard=True)
     verify_tf(single, verifier)
-    shard_passes = case.passes(
+    shard_passes = plan_passes(
+        case,
         len(shard_labels),
-        timed(lambda: consume(tfrecord_batches(ctx.tfrecord, case, 1, shard=True), tf_labels)),
+        lambda p: consume(tfrecord_batches(ctx.tfrecord, case, p, shard=True), tf_labels),
     )
     runs = repeat_runs(
         lambda: consume(tfrecord_batches(ctx.tfrecord, case, shard_passes, shard=True), tf_labels),

@@ -20,9 +20,10 @@ In one run, on the same records (random bytes plus an int64 label), per case:
 
 Cases: ``main`` (``--records`` x ``--record-bytes``), ``small`` (100-byte records)
 and ``large`` (224x224x3 uint8 images, 150 KB). Every method is checked against the
-source data; each timed run reads at least ``--read-mib`` (whole epochs/passes).
-Rates are the median of ``--repeats`` runs. Results go to a table on stdout and to
-JSON (``benchmarks/results/`` or ``--json``).
+source data; each timed run reads at least ``--read-mib`` in whole epochs or passes
+(fewer for slow methods: ``--max-seconds-per-run``). Rates are the median of
+``--repeats`` runs. Results go to a table on stdout and to JSON (``benchmarks/results/``
+or ``--json``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shard-rank", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per method (median)")
-    p.add_argument("--read-mib", type=int, default=512, help="at least this much per timed run")
+    p.add_argument("--read-mib", type=int, default=1024, help="at least this much per timed run")
     p.add_argument("--max-records-per-run", type=int, default=600_000)
     p.add_argument(
         "--max-seconds-per-run",
