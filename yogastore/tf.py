@@ -275,9 +275,9 @@ def _fixed_dataset(
 
     Each call of ``from_generator`` costs a few hundred microseconds whatever
     its size, so the generator hands over ``[k, batch, ...]`` groups of ``k``
-    consecutive batches and ``unbatch`` splits them in C++. With
-    ``batch_size=None`` it hands over ``[n, ...]`` records and ``unbatch``
-    yields them one by one.
+    consecutive batches and ``unbatch`` splits them in C++. Batches of 8 MiB
+    or more go one per call, as they are. With ``batch_size=None`` it hands
+    over ``[n, ...]`` records and ``unbatch`` yields them one by one.
     """
     where = stream.ref.manifest.where
     unbatch = batch_size is None
@@ -285,21 +285,18 @@ def _fixed_dataset(
     k = _group_factor(stream, schema, size)
     comps = schema.components
     inner = size if drop_remainder else None
-    specs = schema.pack(
-        [
-            tf.TensorSpec(
-                [None, *c.shape] if unbatch else [None, inner, *c.shape], _tf_dtype(c.dtype)
-            )
-            for c in comps
-        ]
-    )
+    # With one batch per call (large records) there is no group axis to split.
+    whole = unbatch or k == 1
+    lead = [None] if unbatch else [inner] if k == 1 else [None, inner]
+    specs = schema.pack([tf.TensorSpec([*lead, *c.shape], _tf_dtype(c.dtype)) for c in comps])
 
     def generate() -> Iterator[Any]:
         for _records, cols in stream.column_batches(size * k):
             arrays = batch_components(schema, cols, where)
             n = len(arrays[0])
-            if unbatch:
-                yield schema.pack(arrays)
+            if whole:
+                if unbatch or n == size or not drop_remainder:
+                    yield schema.pack(arrays)
                 continue
             full = n // size * size
             if full:
@@ -309,7 +306,9 @@ def _fixed_dataset(
             if full < n and not drop_remainder:
                 yield schema.pack([a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays])
 
-    ds = tf.data.Dataset.from_generator(generate, output_signature=specs).unbatch()
+    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    if not whole or unbatch:
+        ds = ds.unbatch()
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
