@@ -288,25 +288,28 @@ def _fixed_dataset(
     # With one batch per call (large records) there is no group axis to split.
     whole = unbatch or k == 1
     lead = [None] if unbatch else [inner] if k == 1 else [None, inner]
-    specs = schema.pack([tf.TensorSpec([*lead, *c.shape], _tf_dtype(c.dtype)) for c in comps])
+    specs = tuple(tf.TensorSpec([*lead, *c.shape], _tf_dtype(c.dtype)) for c in comps)
 
-    def generate() -> Iterator[Any]:
+    def generate() -> Iterator[tuple[Any, ...]]:
         for _records, cols in stream.column_batches(size * k):
             arrays = batch_components(schema, cols, where)
             n = len(arrays[0])
             if whole:
                 if unbatch or n == size or not drop_remainder:
-                    yield schema.pack(arrays)
+                    yield tuple(arrays)
                 continue
             full = n // size * size
             if full:
-                yield schema.pack(
-                    [a[:full].reshape(full // size, size, *a.shape[1:]) for a in arrays]
-                )
+                yield tuple(a[:full].reshape(full // size, size, *a.shape[1:]) for a in arrays)
             if full < n and not drop_remainder:
-                yield schema.pack([a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays])
+                yield tuple(a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays)
 
+    # A flat tuple crosses from_generator faster and holds less memory than the
+    # nested element (measured with 38 MB batches); the graph map repacks it.
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = ds.map(
+        lambda *w: schema.pack(list(w)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+    )
     if not whole or unbatch:
         ds = ds.unbatch()
     return ds.prefetch(tf.data.AUTOTUNE)
