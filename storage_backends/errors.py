@@ -9,12 +9,14 @@ yogastore.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "BackendUnavailableError",
     "CorruptCacheError",
     "DatasetNotFoundError",
     "InvalidArgumentError",
     "KeyExistsError",
     "KeyNotFoundError",
+    "LockLostError",
     "LockTimeoutError",
     "StorageError",
     "UnsupportedElementError",
@@ -56,6 +58,18 @@ class KeyExistsError(StorageError, FileExistsError):
 
 class BackendUnavailableError(StorageError):
     """A backend cannot be reached or is not usable (missing bucket, credentials)."""
+
+
+class AccessDeniedError(BackendUnavailableError, PermissionError):
+    """The backend refused access (denied by policy, bad or missing credentials)."""
+
+
+class LockLostError(StorageError):
+    """A write under a lock was refused: this process no longer holds that lock.
+
+    Its lease ran out (renewals failed or the process was paused) or another
+    process took the lock over; the work done under the lock must be dropped.
+    """
 
 
 class LockTimeoutError(YogaStoreError, TimeoutError):

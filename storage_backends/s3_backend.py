@@ -10,24 +10,32 @@ Failure handling:
 * Throttling (``SlowDown``) and 5xx answers are retried by botocore with
   exponential backoff (``max_attempts``); a failure surfaces only after the
   last attempt, as ``StorageError``.
-* A missing bucket, denied access, missing credentials or an unreachable
-  endpoint raise ``BackendUnavailableError`` naming bucket and prefix; a
-  missing key raises ``KeyNotFoundError``. The boto3 error is the ``__cause__``.
+* A missing bucket or an unreachable endpoint raise ``BackendUnavailableError``
+  naming bucket and prefix; denied access and missing or bad credentials raise
+  its subclass ``AccessDeniedError`` (also a ``PermissionError``); a missing
+  key raises ``KeyNotFoundError``. The boto3 error is the ``__cause__``.
 * Body reads cut short after the headers arrived are retried here, since
   botocore's retries stop at the response headers.
+* A server that ignores ``Range`` (whole object, no ``Content-Range``) is
+  answered by slicing the whole object.
 
 Build-once coordination uses conditional writes only (``lock`` returns an
 ``storage_backends.s3_lock.S3Lock``): a lock object created with
 ``If-None-Match: *`` and a lease its holder renews with ``If-Match`` on the
 lock's ETag; a waiter that sees the same ETag for longer than the lease takes
-the lock over with the same conditional write.
+the lock over with the same conditional write. Writes under ``<name>/`` of a
+lock this process holds are fenced: refused with ``LockLostError`` once the
+lease is no longer trusted, and an exclusive write (the commit) renews the
+lease first.
+
+A backend can be used on both sides of ``os.fork``: the child gets a new
+client, worker pool and internal lock, and holds none of its parent's locks.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -35,17 +43,20 @@ import random
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from storage_backends.base import Backend, Buffer
 from storage_backends.errors import (
+    AccessDeniedError,
     BackendUnavailableError,
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
     StorageError,
 )
+from storage_backends.s3_options import MIN_PART, S3Options
 
 if TYPE_CHECKING:
     from storage_backends.s3_lock import S3Lock
@@ -66,8 +77,6 @@ logger = logging.getLogger(__name__)
 #: Environment variable read when no ``endpoint_url`` option is given.
 ENDPOINT_ENV = "YOGASTORE_S3_ENDPOINT_URL"
 
-_MIB = 1 << 20
-_MIN_PART = 5 * _MIB  # S3's smallest multipart part (except the last)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _LOCK_SUFFIX = ".lock"
 _UNAVAILABLE_CODES = {
@@ -83,90 +92,19 @@ _UNAVAILABLE_CODES = {
     "Forbidden",
 }
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+# Backends of this process, reset in a fork child before any other code runs
+# there: the parent's client, pool threads and locks are not usable in it.
+_LIVE: weakref.WeakSet[S3Backend] = weakref.WeakSet()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class S3Options:
-    """Options of ``S3Backend`` (pass them to ``yogastore.Store`` as keywords).
+def _after_fork() -> None:
+    for backend in list(_LIVE):
+        backend._reset_after_fork()
 
-    Args:
-        endpoint_url: S3 API endpoint; ``None`` uses ``$YOGASTORE_S3_ENDPOINT_URL``
-            or AWS.
-        region: region name; ``None`` uses the boto3 default chain.
-        max_parallel: ranged reads in flight per reader.
-        upload_workers: chunk uploads in flight while building.
-        max_attempts: attempts per request, including the first (botocore
-            standard retry mode: throttling and 5xx are retried with backoff).
-        connect_timeout: seconds to wait for a connection.
-        read_timeout: seconds to wait for data on a connection.
-        multipart_threshold: objects at least this large are uploaded in parts.
-        multipart_part_bytes: part size of multipart uploads (>= 5 MiB).
-        addressing_style: ``"path"``, ``"virtual"`` or ``None`` (path style
-            when an endpoint is given, as MinIO and moto need).
-        lock_lease: seconds a build lock stays valid without renewal; the
-            holder renews it every third of that.
-        lock_poll: longest pause between two looks at a held lock.
-        lock_settle: seconds to wait before reading back a lock just written,
-            which also guards against stores whose conditional writes race.
-        cache_dir: directory of the local read-through cache used by
-            ``yogastore`` readers; ``None`` uses yogastore's default root.
-        cache_bytes: size limit of that cache (0 disables it).
-    """
 
-    endpoint_url: str | None = None
-    region: str | None = None
-    max_parallel: int = 16
-    upload_workers: int = 8
-    max_attempts: int = 8
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    multipart_threshold: int = 64 * _MIB
-    multipart_part_bytes: int = 16 * _MIB
-    addressing_style: str | None = None
-    lock_lease: float = 30.0
-    lock_poll: float = 1.0
-    lock_settle: float = 0.1
-    cache_dir: str | os.PathLike[str] | None = None
-    cache_bytes: int = 8 << 30
-
-    def __post_init__(self) -> None:
-        for name in ("max_parallel", "upload_workers", "max_attempts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(
-                    f"S3 option {name} must be an integer >= 1, got {value!r}"
-                )
-        for name in ("connect_timeout", "read_timeout", "lock_lease", "lock_poll"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise InvalidArgumentError(f"S3 option {name} must be a number > 0, got {value!r}")
-        if not isinstance(self.lock_settle, int | float) or self.lock_settle < 0:
-            raise InvalidArgumentError(
-                f"S3 option lock_settle must be >= 0, got {self.lock_settle!r}"
-            )
-        if not isinstance(self.multipart_part_bytes, int) or self.multipart_part_bytes < _MIN_PART:
-            raise InvalidArgumentError(
-                f"S3 option multipart_part_bytes must be an integer >= {_MIN_PART}, "
-                f"got {self.multipart_part_bytes!r}"
-            )
-        if not isinstance(self.multipart_threshold, int) or self.multipart_threshold < _MIN_PART:
-            raise InvalidArgumentError(
-                f"S3 option multipart_threshold must be an integer >= {_MIN_PART}, "
-                f"got {self.multipart_threshold!r}"
-            )
-        if (
-            isinstance(self.cache_bytes, bool)
-            or not isinstance(self.cache_bytes, int)
-            or (self.cache_bytes < 0)
-        ):
-            raise InvalidArgumentError(
-                f"S3 option cache_bytes must be an integer >= 0, got {self.cache_bytes!r}"
-            )
-        if self.addressing_style not in (None, "path", "virtual", "auto"):
-            raise InvalidArgumentError(
-                f"S3 option addressing_style must be 'path', 'virtual' or 'auto', "
-                f"got {self.addressing_style!r}"
-            )
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class ConflictError(StorageError):
@@ -237,6 +175,20 @@ class S3Backend(Backend):
         self._pid = os.getpid()
         self._init_lock = threading.Lock()
         self._held: dict[str, S3Lock] = {}
+        _LIVE.add(self)
+
+    def _reset_after_fork(self) -> None:
+        """Forget what belongs to the parent process (called in a fork child).
+
+        Its client and pool threads are unusable here, its internal lock may
+        have been held by a thread that does not exist here, and its build
+        locks are renewed by the parent, not by this process.
+        """
+        self._init_lock = threading.Lock()
+        self._client = None
+        self._pool = None
+        self._held = {}
+        self._pid = os.getpid()
 
     # Plumbing ----------------------------------------------------------------
 
@@ -249,8 +201,10 @@ class S3Backend(Backend):
     @property
     def client(self) -> Any:
         """The boto3 S3 client (created on first use, again after ``fork``)."""
+        if self._pid != os.getpid():  # pragma: no cover - the fork hook ran first
+            self._reset_after_fork()
         with self._init_lock:
-            if self._client is None or self._pid != os.getpid():
+            if self._client is None:
                 pool_size = self.options.max_parallel + self.options.upload_workers + 4
                 style = self.options.addressing_style or ("path" if self.endpoint_url else "auto")
                 config = Config(
@@ -267,12 +221,11 @@ class S3Backend(Backend):
                     region_name=self.options.region,
                     config=config,
                 )
-                self._pool = None
-                self._pid = os.getpid()
             return self._client
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        self.client  # noqa: B018 - resets the pool after fork
+        if self._pid != os.getpid():  # pragma: no cover - the fork hook ran first
+            self._reset_after_fork()
         with self._init_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -289,7 +242,7 @@ class S3Backend(Backend):
         if isinstance(
             err, bce.NoCredentialsError | bce.PartialCredentialsError | bce.CredentialRetrievalError
         ):
-            return BackendUnavailableError(
+            return AccessDeniedError(
                 errno.EACCES,
                 f"no usable AWS credentials for {target}: set AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run with an instance role ({err})",
@@ -319,7 +272,7 @@ class S3Backend(Backend):
                     "create it or fix the URL",
                 )
             if code in _UNAVAILABLE_CODES or status == 403:
-                return BackendUnavailableError(
+                return AccessDeniedError(
                     errno.EACCES,
                     f"access denied to {target} ({detail}); check the credentials and the "
                     f"bucket policy for s3://{self.bucket}/{self.prefix}",
@@ -369,10 +322,16 @@ class S3Backend(Backend):
             finally:
                 resp["Body"].close()
             length = resp.get("ContentLength")
-            if isinstance(length, int) and length != len(data) and attempt < attempts:
-                continue
-            return data, resp
-        raise StorageError(errno.EIO, f"reading {key!r} in {self.where} kept coming back short")
+            if not isinstance(length, int) or length == len(data):
+                return data, resp
+            logger.debug("retrying short read of %s: %d of %d bytes", key, len(data), length)
+            if attempt < attempts:
+                time.sleep(min(2.0, 0.05 * 2**attempt) * random.random())
+        raise StorageError(
+            errno.EIO,
+            f"reading {key!r} in {self.where} came back shorter than announced "
+            f"{attempts} times; check the endpoint and the network",
+        )
 
     # Primitives --------------------------------------------------------------
 
@@ -387,8 +346,17 @@ class S3Backend(Backend):
             raise InvalidArgumentError(
                 f"byte range [{start}, {start + length}) is past the end of {key!r} in {self.where}"
             ) from err
-        if "ContentRange" not in resp and len(data) > length:
-            data = data[start : start + length]  # the server ignored the Range header
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status == 206 and "ContentRange" in resp:
+            match = _CONTENT_RANGE.match(str(resp["ContentRange"]))
+            if match is None or int(match.group(1)) != start:
+                raise StorageError(
+                    errno.EIO,
+                    f"reading bytes [{start}, {start + length}) of {key!r} in {self.where}: "
+                    f"the server answered with range {resp['ContentRange']!r}",
+                )
+        else:
+            data = data[start : start + length]  # the server ignored Range: whole object
         if len(data) != length:
             # S3 truncates a range that runs past the end of the object.
             raise InvalidArgumentError(
@@ -404,14 +372,15 @@ class S3Backend(Backend):
         futures = [pool.submit(self.get_range, key, s, n) for s, n in ranges]
         return [f.result() for f in futures]
 
+    def _holders(self, key: str) -> list[S3Lock]:
+        """Return the locks held by this process that cover ``key`` (or prefix)."""
+        return [held for name, held in list(self._held.items()) if key.startswith(name + "/")]
+
     def _check_fence(self, key: str) -> None:
-        for name, held in list(self._held.items()):
-            if held.lost and key.startswith(name + "/"):
-                raise StorageError(
-                    errno.ESTALE,
-                    f"refusing to write {key!r} in {self.where}: this process lost the lock "
-                    f"{name!r} (its lease expired and another process took it over)",
-                )
+        """Refuse a write under a lock whose lease this process no longer trusts."""
+        for held in self._holders(key):
+            if not held.valid():
+                raise held.refusal(key)
 
     def _put_object(self, key: str, data: bytes | memoryview, **extra: Any) -> str:
         """Upload one object (multipart when large) and return its ETag."""
@@ -437,7 +406,7 @@ class S3Backend(Backend):
         size = self.options.multipart_part_bytes
         offsets = list(range(0, len(view), size))
         # A last part under 5 MiB is allowed; fold a tiny tail into its predecessor anyway.
-        if len(offsets) > 1 and len(view) - offsets[-1] < _MIN_PART:
+        if len(offsets) > 1 and len(view) - offsets[-1] < MIN_PART:
             offsets.pop()
         bounds = list(zip(offsets, [*offsets[1:], len(view)], strict=True))
 
@@ -478,6 +447,10 @@ class S3Backend(Backend):
         self._put_object(key, data)
 
     def _put_exclusive(self, key: str, data: bytes | memoryview) -> None:
+        # An exclusive write under a held lock is a commit: make sure, with a
+        # request rather than the clock, that the lock is still ours.
+        for held in self._holders(key):
+            held.renew(key)
         for attempt in range(self.options.max_attempts):
             try:
                 self._put_object(key, data, IfNoneMatch="*")
@@ -526,9 +499,11 @@ class S3Backend(Backend):
             raise self._translate(err, "listing", prefix or "/") from err
 
     def _delete(self, key: str) -> None:
+        self._check_fence(key)
         self._call("deleting", key, "delete_object", Key=self._full(key))
 
     def _delete_prefix(self, prefix: str) -> None:
+        self._check_fence(prefix)
         keys = list(self._list(prefix))
         for i in range(0, len(keys), 1000):
             batch = [{"Key": self._full(k)} for k in keys[i : i + 1000]]

@@ -3,10 +3,16 @@
 * Acquire: create ``<name>.lock`` with ``If-None-Match: *``; read it back
   after ``lock_settle`` seconds and keep it only if it still carries this
   holder's token (so a store whose conditional writes race cannot fool us).
-* Hold: a daemon thread rewrites the object every ``lease / 3`` seconds with
-  ``If-Match`` on its last ETag. A failed condition means another process took
-  the lock over; the backend then refuses this process's writes under
-  ``<name>/`` (a fence against a holder that was only paused, not dead).
+* Hold: a daemon thread rewrites the object every ``lease / 4`` seconds with
+  ``If-Match`` on its last ETag. The holder counts the lock valid until
+  ``2/3 * lease`` after the moment it *sent* its last successful write, on its
+  own monotonic clock: a waiter cannot take over before a full lease has passed
+  since it first saw that write, which happened after it was sent. Past that
+  point, or once a renewal finds another owner, the backend refuses this
+  process's writes under ``<name>/`` (a fence against a holder that was only
+  paused, or whose renewals hang, not dead). Commits (``put_exclusive`` under
+  ``<name>/``) renew synchronously first, so a takeover this holder's clock
+  cannot see still stops them.
 * Wait: look at the lock's ETag (one HEAD request) with backoff. An ETag
   unchanged for longer than the holder's lease, measured on the waiter's own
   monotonic clock so machine clocks need not agree, or an object older than
@@ -19,6 +25,7 @@
 from __future__ import annotations
 
 import email.utils
+import errno
 import json
 import logging
 import os
@@ -33,6 +40,7 @@ from typing import Any
 from storage_backends.errors import (
     KeyExistsError,
     KeyNotFoundError,
+    LockLostError,
     LockTimeoutError,
     StorageError,
 )
@@ -43,6 +51,10 @@ __all__ = ["S3Lock"]
 logger = logging.getLogger(__name__)
 
 _SUFFIX = ".lock"
+#: Share of the lease a holder trusts, counted from sending its last landed write.
+_VALID_SHARE = 2 / 3
+#: Renewals per lease.
+_RENEWALS_PER_LEASE = 4
 
 
 def _server_age(head: dict[str, Any]) -> float | None:
@@ -84,7 +96,11 @@ class S3Lock:
         self.etag = ""
         self.renewals = 0
         self.lost = False
+        #: ``time.monotonic()`` after which this holder no longer trusts its lease.
+        self.valid_until = 0.0
+        self._pid = os.getpid()
         self._stop = threading.Event()
+        self._renew_lock = threading.Lock()  # one conditional rewrite at a time
         self._thread: threading.Thread | None = None
 
     def _body(self) -> bytes:
@@ -131,14 +147,55 @@ class S3Lock:
             return True
         return False
 
+    def _granted(self, sent: float) -> None:
+        """Trust the lease for a while after ``sent``, when a write that landed was sent."""
+        self.valid_until = max(self.valid_until, sent + self.lease * _VALID_SHARE)
+
+    def valid(self) -> bool:
+        """Return whether this holder may still write under the lock."""
+        return not self.lost and time.monotonic() <= self.valid_until
+
+    def refusal(self, key: str) -> LockLostError:
+        """Return the error refusing a write of ``key`` by a holder no longer valid."""
+        if self.lost:
+            why = "another process took the lock over"
+        else:
+            late = time.monotonic() - self.valid_until
+            why = (
+                f"its {self.lease:g}s lease ran out {late:.1f}s ago without a successful "
+                "renewal (renewals failing or hanging, or this process was paused), so "
+                "another process may have taken the lock over"
+            )
+        return LockLostError(
+            errno.ESTALE,
+            f"refusing to write {key!r} in {self.backend.where}: this process lost the lock "
+            f"{self.name!r}: {why}; build again to get a consistent result",
+        )
+
+    def _acquired(self, sent: float, landed: bool) -> bool:
+        """Finish an acquisition whose write carries our token.
+
+        ``landed``: the write sent at ``sent`` is known to have landed. Otherwise
+        an earlier try of ours may be the one that landed, sent at an unknown
+        time, so the lease is renewed once to learn a send time.
+        """
+        if landed:
+            self._granted(sent)
+            return True
+        with self._renew_lock:
+            return self._extend() and self.valid()
+
     def _create(self) -> bool:
+        self.backend.client  # noqa: B018 - made first, so that it does not eat the lease
+        sent = time.monotonic()
         try:
             self._write(IfNoneMatch="*")
         except KeyExistsError as err:
-            return retried(err) and self._confirm(settle=False)
+            # A retried create may meet its own first try, which had landed.
+            return retried(err) and self._confirm(settle=False) and self._acquired(sent, False)
         except ConflictError:
             return False
-        return self._confirm()
+        return self._confirm() and self._acquired(sent, True)
 
     def __enter__(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -146,22 +203,23 @@ class S3Lock:
         seen: tuple[str, float] | None = None
         head: dict[str, Any] | None = None
         while True:
+            if head is None and self._create():
+                break
             if head is None:
-                if self._create():
-                    break
+                # Released in between, or a store whose listing lags its writes:
+                # back off like any other miss, within the deadline.
                 head = self.backend._head(self.key)
-                if head is None:
-                    continue  # released in between: try again at once
             now = time.monotonic()
-            etag = str(head.get("ETag", ""))
-            lease = _lease_of(head, self.lease)
-            age = _server_age(head)
-            if seen is None or seen[0] != etag:
-                seen = (etag, now)
-            if now - seen[1] > lease or (age is not None and age > 2 * lease + 2):
-                if self._take_over(etag, lease):
-                    break
-                seen = None
+            if head is not None:
+                etag = str(head.get("ETag", ""))
+                lease = _lease_of(head, self.lease)
+                age = _server_age(head)
+                if seen is None or seen[0] != etag:
+                    seen = (etag, now)
+                if now - seen[1] > lease or (age is not None and age > 2 * lease + 2):
+                    if self._take_over(etag, lease):
+                        break
+                    seen = None
             if deadline is not None and now >= deadline:
                 _, _, body = self._owner()
                 raise LockTimeoutError(
@@ -181,12 +239,18 @@ class S3Lock:
         self._thread.start()
 
     def _take_over(self, etag: str, lease: float) -> bool:
+        sent = time.monotonic()
         try:
             self._write(IfMatch=etag)
-        except (KeyExistsError, KeyNotFoundError, ConflictError):
+        except KeyExistsError as err:
+            # A retried takeover may meet its own first try, which had landed.
+            if not (retried(err) and self._confirm() and self._acquired(sent, False)):
+                return False
+        except (KeyNotFoundError, ConflictError):
             return False
-        if not self._confirm():
-            return False
+        else:
+            if not (self._confirm() and self._acquired(sent, True)):
+                return False
         logger.warning(
             "took over the lock %s in %s: its holder stopped renewing its %.1fs lease",
             self.key,
@@ -196,32 +260,64 @@ class S3Lock:
         return True
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.lease / 3):
+        while not self._stop.wait(self.lease / _RENEWALS_PER_LEASE):
             if not self._renew_once():
                 return
 
     def _renew_once(self) -> bool:
-        """Extend the lease once; return False if the lock was lost."""
-        self.renewals += 1
-        try:
-            self.etag = self._write(IfMatch=self.etag)
-            return True
-        except (KeyExistsError, KeyNotFoundError):
-            pass
-        except Exception as err:  # keep renewing through transient failures
-            logger.warning("renewing lock %s failed: %s", self.key, err)
-            return True
-        try:
-            if self._confirm(settle=False):  # a retried renewal had landed
+        """Extend the lease once (the renewal thread); return False if the lock was lost."""
+        with self._renew_lock:
+            if self.lost:
+                return False
+            try:
+                return self._extend()
+            except Exception as err:  # keep renewing through transient failures
+                logger.warning("renewing lock %s failed: %s", self.key, err)
                 return True
-        except Exception as err:
-            logger.warning("checking lock %s failed: %s", self.key, err)
+
+    def renew(self, key: str) -> None:
+        """Extend the lease now, before committing ``key`` under the lock.
+
+        The holder's clock cannot see every takeover (a paused process, a
+        store's clock running ahead); a conditional rewrite right before a
+        commit can.
+
+        Raises:
+            LockLostError: another process holds the lock, or the lease ran out.
+            StorageError: the renewal failed; the lock may or may not be ours.
+        """
+        if not self._renew_lock.acquire(timeout=max(self.valid_until - time.monotonic(), 0.0)):
+            raise self.refusal(key)  # a renewal hangs and the lease ran out meanwhile
+        try:
+            if not self.lost:
+                self._extend()
+        finally:
+            self._renew_lock.release()
+        if not self.valid():
+            raise self.refusal(key)
+
+    def _extend(self) -> bool:
+        """Rewrite the lock on its ETag (caller holds ``_renew_lock``); False if lost."""
+        for _ in range(2):
+            self.renewals += 1
+            sent = time.monotonic()
+            try:
+                self.etag = self._write(IfMatch=self.etag)
+            except (KeyExistsError, KeyNotFoundError):
+                # Still ours if a retried earlier write of ours landed: renew again
+                # on its ETag, as its send time is unknown.
+                if self._confirm(settle=False):
+                    continue
+                self.lost = True
+                logger.error(
+                    "lost the lock %s in %s: another process took it over",
+                    self.key,
+                    self.backend.where,
+                )
+                return False
+            self._granted(sent)
             return True
-        self.lost = True
-        logger.error(
-            "lost the lock %s in %s: another process took it over", self.key, self.backend.where
-        )
-        return False
+        return True  # ours, but not extended: the next renewal tries again
 
     def __exit__(
         self,
@@ -230,8 +326,12 @@ class S3Lock:
         tb: TracebackType | None,
     ) -> None:
         self._stop.set()
+        if os.getpid() != self._pid:
+            return  # a fork child leaving the block: the lock is its parent's
         if self._thread is not None:
-            self._thread.join()
+            # A renewal stuck in a request must not hold up the release: the
+            # conditional delete below is safe against its late landing.
+            self._thread.join(timeout=self.lease / _RENEWALS_PER_LEASE)
         if self.backend._held.get(self.name) is self:
             del self.backend._held[self.name]
         if self.lost:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import threading
@@ -15,7 +16,12 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 import yogastore as y
-from storage_backends.errors import BackendUnavailableError, KeyNotFoundError, StorageError
+from storage_backends.errors import (
+    AccessDeniedError,
+    BackendUnavailableError,
+    KeyNotFoundError,
+    StorageError,
+)
 from storage_backends.s3_backend import S3Backend
 from tests.backends.s3_support import (
     SPEC,
@@ -79,6 +85,7 @@ def test_missing_bucket(endpoint: str, tmp_path: Path) -> None:
     message = str(info.value)
     assert "no-such-bucket-here" in message and "team/data" in message
     assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
+    assert not isinstance(info.value, PermissionError)  # missing, not forbidden
     with pytest.raises(BackendUnavailableError, match="no-such-bucket-here"):
         store.cache("ds", "1", lambda: records(3), spec=SPEC)
 
@@ -86,11 +93,14 @@ def test_missing_bucket(endpoint: str, tmp_path: Path) -> None:
 def test_access_denied(bucket: str, endpoint: str) -> None:
     backend = S3Backend(f"s3://{bucket}/secret", endpoint_url=endpoint)
     Faults(1.0, 403, "AccessDenied").install(backend)
-    with pytest.raises(BackendUnavailableError, match="access denied") as info:
+    with pytest.raises(AccessDeniedError, match="access denied") as info:
         backend.get("ds/1/manifest.json")
     assert bucket in str(info.value) and "secret/" in str(info.value)
     assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
-    assert isinstance(info.value, PermissionError | OSError)
+    # Code that knows nothing of yogastore can catch it as the built-in.
+    assert isinstance(info.value, PermissionError)
+    assert isinstance(info.value, BackendUnavailableError)
+    assert info.value.errno == errno.EACCES
 
 
 def test_no_credentials(bucket: str, endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,6 +109,7 @@ def test_no_credentials(bucket: str, endpoint: str, monkeypatch: pytest.MonkeyPa
     store = y.Store(f"s3://{bucket}/p", endpoint_url=endpoint)
     with pytest.raises(BackendUnavailableError, match="credentials") as info:
         store.open("ds", "1")
+    assert isinstance(info.value, PermissionError)
     assert f"s3://{bucket}/p/" in str(info.value)
     assert isinstance(info.value.__cause__, botocore.exceptions.NoCredentialsError)
 

@@ -15,7 +15,10 @@ from storage_backends.errors import (
     CorruptCacheError,
     DatasetNotFoundError,
     InvalidArgumentError,
+    KeyExistsError,
     KeyNotFoundError,
+    LockLostError,
+    StorageError,
 )
 from yogastore.manifest import Manifest, validate_name
 from yogastore.order import Shuffle
@@ -318,21 +321,68 @@ class Store:
             manifest = self._read_manifest(dataset_id, version)
             if manifest is not None:
                 return DatasetRef(self, manifest)
-            # Leftovers of a build that died before its manifest: never read.
-            self.backend.delete_prefix(f"{dataset_id}/{version}/")
+            # Keys left by a build that died before its manifest are never read
+            # and are swept after the commit, not now: a holder whose lease ran
+            # out unnoticed may still be writing, and deleting first could leave
+            # its (refused or not) commit pointing at deleted chunks.
             source = make_dataset()
             schema, items, element_spec = self._prepare(source, spec)
-            manifest = write_dataset(
-                self.backend,
-                dataset_id,
-                version,
-                schema,
-                items,
-                chunk_bytes=chunk_bytes or self.chunk_bytes,
-                progress=progress or default_progress(f"caching {dataset_id}/{version}"),
-                upload_workers=int(getattr(self.backend, "upload_workers", 1)),
-            )
+            try:
+                manifest = write_dataset(
+                    self.backend,
+                    dataset_id,
+                    version,
+                    schema,
+                    items,
+                    chunk_bytes=chunk_bytes or self.chunk_bytes,
+                    progress=progress or default_progress(f"caching {dataset_id}/{version}"),
+                    upload_workers=int(getattr(self.backend, "upload_workers", 1)),
+                )
+            except (KeyExistsError, LockLostError) as err:
+                # Refused: another manifest is there, or another process took
+                # the lock over. Its committed result, if any, is the answer.
+                winner = self._winner(dataset_id, version)
+                if winner is None:
+                    raise
+                if isinstance(err, KeyExistsError):  # still the holder: clean up
+                    self._sweep(winner)
+                if winner.schema != schema:
+                    element_spec = None
+                return DatasetRef(self, winner, element_spec)
+            self._sweep(manifest)
         return DatasetRef(self, manifest, element_spec)
+
+    def _winner(self, dataset_id: str, version: str) -> Manifest | None:
+        """Return the manifest another builder committed when ours was refused."""
+        manifest = self._read_manifest(dataset_id, version)
+        if manifest is None:
+            return None
+        logger.warning(
+            "%s: another builder committed build %s first; using it and dropping this build",
+            manifest.where,
+            manifest.build_id,
+        )
+        return manifest
+
+    def _sweep(self, manifest: Manifest) -> None:
+        """Delete the keys of a version that its committed manifest does not name.
+
+        They are leftovers of builds that died or lost the lock; readers never
+        see them. Best effort: the dataset is committed either way.
+        """
+        prefix = f"{manifest.dataset_id}/{manifest.version}/"
+        keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
+        try:
+            stale = [key for key in self.backend.list(prefix) if key not in keep]
+            for key in stale:
+                self.backend.delete(key)
+        except StorageError as err:
+            logger.warning(
+                "%s: could not delete leftovers of other builds: %s", manifest.where, err
+            )
+            return
+        if stale:
+            logger.info("%s: deleted %d leftover keys of other builds", manifest.where, len(stale))
 
     def _prepare(self, source: Any, spec: Any) -> tuple[Schema, Iterable[Any], Any]:
         if _is_tf_dataset(source):
@@ -409,16 +459,27 @@ class Store:
         with to.backend.lock(f"{dataset_id}/{version}", timeout=to.lock_timeout):
             if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
                 return to.open(dataset_id, version)  # another copier finished first
-            to.backend.delete_prefix(f"{dataset_id}/{version}/")
-            for i, info in enumerate(ref.manifest.chunks):
-                data = bytes(self.backend.get(info.key))
-                if checksum(data) != info.checksum:
-                    raise CorruptCacheError(
-                        f"{ref.manifest.where} chunk {i} ({info.key}): checksum mismatch "
-                        "while copying"
-                    )
-                to.backend.put(info.key, data)
-            to.backend.put_exclusive(f"{dataset_id}/{version}/{MANIFEST}", ref.manifest.to_json())
+            # Leftovers of a copy or build that died are swept after the commit.
+            try:
+                for i, info in enumerate(ref.manifest.chunks):
+                    data = bytes(self.backend.get(info.key))
+                    if checksum(data) != info.checksum:
+                        raise CorruptCacheError(
+                            f"{ref.manifest.where} chunk {i} ({info.key}): checksum mismatch "
+                            "while copying"
+                        )
+                    to.backend.put(info.key, data)
+                to.backend.put_exclusive(
+                    f"{dataset_id}/{version}/{MANIFEST}", ref.manifest.to_json()
+                )
+            except (KeyExistsError, LockLostError) as err:
+                winner = to._winner(dataset_id, version)
+                if winner is None:
+                    raise
+                if isinstance(err, KeyExistsError):  # still the holder: clean up
+                    to._sweep(winner)
+                return DatasetRef(to, winner)
+            to._sweep(ref.manifest)
         return to.open(dataset_id, version)
 
 

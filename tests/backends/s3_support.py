@@ -117,7 +117,7 @@ def build_worker(queue: Any, barrier: Any, url: str, counter: str, n: int) -> No
 
     def work() -> dict[str, Any]:
         store = y.Store(url, chunk_bytes=32 << 10, lock_lease=3.0, lock_poll=0.2)
-        barrier.wait()
+        barrier.wait(timeout=60)
         ref = store.cache(
             "ds",
             "1",
@@ -152,7 +152,7 @@ def read_worker(
             cache_dir = os.path.join(cache_root, shuffle.value)
             ref = y.Store(url, cache_dir=cache_dir).open("ds", "1")
             for epoch in (0, 1):
-                barrier.wait()  # every rank finished the previous pass
+                barrier.wait(timeout=60)  # every rank finished the previous pass
                 stream = ref.stream(rank, num_shards, shuffle=shuffle, seed=11, epoch=epoch)
                 ids: list[int] = []
                 for batch in stream.batches(32):

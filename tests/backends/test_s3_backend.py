@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +15,16 @@ import numpy as np
 import pytest
 from botocore.awsrequest import AWSResponse
 
-from storage_backends.errors import InvalidArgumentError, KeyExistsError, StorageError
+from storage_backends.errors import (
+    InvalidArgumentError,
+    KeyExistsError,
+    LockLostError,
+    LockTimeoutError,
+    StorageError,
+)
 from storage_backends.s3_backend import ENDPOINT_ENV, S3Backend
-from tests.backends.contract import BackendContract
+from storage_backends.s3_lock import S3Lock
+from tests.backends.contract import DATA, BackendContract
 from tests.backends.s3_support import REGION
 
 pytestmark = pytest.mark.s3
@@ -53,9 +63,22 @@ def test_url_parsing(aws: None, url: str, bucket: str, prefix: str) -> None:
         ("s3://bucket", {"max_parallel": 0}),
         ("s3://bucket", {"multipart_part_bytes": 1024}),
         ("s3://bucket", {"lock_lease": -1}),
+        ("s3://bucket", {"lock_settle": True}),
+        ("s3://bucket", {"lock_settle": "0.1"}),
         ("s3://bucket", {"no_such_option": 1}),
     ],
-    ids=["no-bucket", "bad-bucket", "dotdot", "scheme", "parallel", "part", "lease", "unknown"],
+    ids=[
+        "no-bucket",
+        "bad-bucket",
+        "dotdot",
+        "scheme",
+        "parallel",
+        "part",
+        "lease",
+        "settle-bool",
+        "settle-str",
+        "unknown",
+    ],
 )
 def test_invalid_url_or_option(aws: None, url: str, options: dict[str, object]) -> None:
     with pytest.raises(InvalidArgumentError):
@@ -76,7 +99,7 @@ def test_importing_packages_does_not_import_boto3() -> None:
         "bad = [m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 'moto')];"
         "assert not bad, bad"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_prefix_isolation(mock_bucket: str) -> None:
@@ -130,26 +153,273 @@ def test_retried_exclusive_put_that_had_landed(mock_bucket: str) -> None:
         backend.put_exclusive("commit", b"manifest")
 
 
-def test_stale_lock_is_taken_over_and_holder_fenced(mock_bucket: str) -> None:
-    backend = S3Backend(f"s3://{mock_bucket}/p", lock_lease=0.6, lock_settle=0.01)
-    other = S3Backend(f"s3://{mock_bucket}/p", lock_lease=0.6, lock_settle=0.01)
-    stuck = backend.lock("ds/1")
+def _stall_renewals(monkeypatch: pytest.MonkeyPatch, lock: Any) -> threading.Event:
+    """Make ``lock``'s renewal thread hang (stuck in retries, or the process paused)."""
+    resume = threading.Event()
+
+    def hang() -> bool:
+        resume.wait(30)
+        return False  # the thread ends when released: the test is over
+
+    monkeypatch.setattr(lock, "_renew_once", hang)
+    return resume
+
+
+def test_holder_whose_lease_ran_out_is_fenced(
+    mock_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder whose renewals stall is refused once its lease runs out, unaware of any takeover."""
+    old = S3Backend(f"s3://{mock_bucket}/p", lock_lease=0.6, lock_settle=0.01)
+    new = S3Backend(f"s3://{mock_bucket}/p", lock_lease=0.6, lock_settle=0.01)
+    assert not old.exists("ds/1.lock") and not new.exists("ds/1.lock")  # clients made
+    stuck = old.lock("ds/1")
+    resume = _stall_renewals(monkeypatch, stuck)
     stuck.__enter__()
-    stuck._stop.set()  # type: ignore[attr-defined]  # the holder hangs: no more renewals
+    try:
+        old.put("ds/1/c-old-000000", b"written while the lease holds")
+        started = time.monotonic()
+        with new.lock("ds/1", timeout=20):
+            assert time.monotonic() - started >= 0.6  # not before the lease ran out
+            assert json.loads(new.get("ds/1.lock"))["owner"] == new._held["ds/1"].token
+            new.put("ds/1/c-new-000000", b"new builder chunk")
+            # The old holder resumes; its renewal thread has noticed nothing.
+            assert not stuck.lost  # type: ignore[attr-defined]
+            with pytest.raises(LockLostError, match="lease ran out") as info:
+                old.put("ds/1/c-old-000001", b"late chunk")
+            assert isinstance(info.value, StorageError)
+            with pytest.raises(LockLostError):
+                old.put_exclusive("ds/1/manifest.json", b'{"old": 1}')
+            with pytest.raises(LockLostError):
+                old.delete_prefix("ds/1/")
+            old.put("elsewhere", b"fine")  # only the locked prefix is fenced
+            new.put_exclusive("ds/1/manifest.json", b'{"new": 1}')
+        assert bytes(new.get("ds/1/manifest.json")) == b'{"new": 1}'
+        assert not new.exists("ds/1/c-old-000001")
+        assert new.exists("ds/1/c-new-000000")
+    finally:
+        resume.set()
+        stuck.__exit__(None, None, None)
+    assert not new.exists("ds/1.lock")
+    assert bytes(new.get("ds/1/manifest.json")) == b'{"new": 1}'
+
+
+def test_commit_renews_the_lease_first(mock_bucket: str) -> None:
+    """A takeover the holder's clock cannot see still stops its commit."""
+    holder = S3Backend(f"s3://{mock_bucket}/p", lock_lease=30.0, lock_settle=0.0)
+    side = boto3.client("s3", region_name=REGION)
+    lock = holder.lock("ds/1")
+    lock.__enter__()
+    try:
+        assert lock.valid()  # type: ignore[attr-defined]  # ~20 s of lease left by its clock
+        holder.put("ds/1/c-a-000000", b"chunk")
+        # Another process takes the lock over (say its clock ran ahead).
+        body = json.dumps({"owner": "someone-else", "lease": 30.0}).encode()
+        side.put_object(Bucket=mock_bucket, Key="p/ds/1.lock", Body=body)
+        with pytest.raises(LockLostError, match="took the lock over"):
+            holder.put_exclusive("ds/1/manifest.json", b"manifest")
+        assert not holder.exists("ds/1/manifest.json")
+        assert lock.lost  # type: ignore[attr-defined]
+        with pytest.raises(LockLostError):
+            holder.put("ds/1/c-a-000001", b"chunk")
+    finally:
+        lock.__exit__(None, None, None)
+    assert json.loads(holder.get("ds/1.lock"))["owner"] == "someone-else"  # not released by us
+
+
+def test_waiters_race_to_take_over_a_stale_lock(
+    mock_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Of several waiters on a lock whose holder stopped renewing, exactly one takes it over."""
+    url = f"s3://{mock_bucket}/p"
+    dead = S3Backend(url, lock_lease=0.6, lock_settle=0.01).lock("ds/1")
+    dead.__enter__()
+    dead._stop.set()  # type: ignore[attr-defined]  # the holder died: no more renewals
+    waiters = 4
+    barrier = threading.Barrier(waiters)
+    guard = threading.Lock()
+    inside = overlaps = entries = 0
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        nonlocal inside, overlaps, entries
+        backend = S3Backend(url, lock_lease=0.6, lock_settle=0.01)
+        try:
+            barrier.wait(timeout=10)
+            with backend.lock("ds/1", timeout=30):
+                with guard:
+                    inside += 1
+                    overlaps += inside > 1
+                    entries += 1
+                time.sleep(0.05)
+                with guard:
+                    inside -= 1
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    caplog.set_level(logging.WARNING, logger="storage_backends.s3_lock")
+    threads = [threading.Thread(target=waiter) for _ in range(waiters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors
+    assert (entries, overlaps) == (waiters, 0)
+    takeovers = [r for r in caplog.records if "took over the lock" in r.getMessage()]
+    assert len(takeovers) == 1
+    assert not dead.valid()  # type: ignore[attr-defined]
+
+
+def test_failed_create_without_a_lock_object_backs_off(
+    mock_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create refused while no lock object shows up waits with backoff and times out."""
+    backend = S3Backend(f"s3://{mock_bucket}/p", lock_lease=2.0, lock_settle=0.0)
+    creates = 0
+
+    def refused(self: Any) -> bool:
+        nonlocal creates
+        creates += 1  # a store whose reads lag its writes, say
+        return False
+
+    monkeypatch.setattr(S3Lock, "_create", refused)
+    monkeypatch.setattr(backend, "_head", lambda key: None)
     started = time.monotonic()
-    with other.lock("ds/1", timeout=20):
-        waited = time.monotonic() - started
-        assert waited >= 0.6  # not before the lease ran out
-        assert json.loads(other.get("ds/1.lock"))["owner"] == other._held["ds/1"].token
-        stuck._stop.clear()  # type: ignore[attr-defined]
-        stuck._renew_once()  # type: ignore[attr-defined]  # the old holder wakes up
-        assert stuck.lost  # type: ignore[attr-defined]
-        with pytest.raises(StorageError, match="lost the lock"):
-            backend.put("ds/1/manifest.json", b"late")
-        backend.put("elsewhere", b"fine")
-    stuck.__exit__(None, None, None)
-    assert not other.exists("ds/1.lock")
-    assert not other.exists("ds/1/manifest.json")
+    with pytest.raises(LockTimeoutError), backend.lock("ds/1", timeout=0.5):
+        pass
+    assert 0.45 <= time.monotonic() - started < 5
+    assert 2 <= creates <= 30  # not a busy loop
+
+
+def test_takeover_meets_its_own_retried_write(mock_bucket: str) -> None:
+    """A takeover that landed but whose answer was lost is recognised on the retry."""
+    url = f"s3://{mock_bucket}/p"
+    dead = S3Backend(url, lock_lease=1.0, lock_settle=0.0).lock("ds/1")
+    dead.__enter__()
+    dead._stop.set()  # type: ignore[attr-defined]
+    waiter = S3Backend(url, lock_lease=1.0, lock_settle=0.0)
+    side = boto3.client("s3", region_name=REGION)
+    lost_answers = 0
+    bodies: list[bytes] = []
+
+    def keep_body(params: dict[str, Any], **_: Any) -> None:
+        bodies.append(params["Body"])
+
+    def lose_answer(request: Any, **_: Any) -> AWSResponse | None:
+        nonlocal lost_answers
+        if lost_answers or request.method != "PUT" or "If-Match" not in request.headers:
+            return None
+        lost_answers += 1
+        side.put_object(Bucket=mock_bucket, Key="p/ds/1.lock", Body=bodies[-1])  # it lands...
+        return _response(request.url, 500, "InternalError")  # ...but its answer is lost
+
+    waiter.client.meta.events.register("provide-client-params.s3.PutObject", keep_body)
+    waiter.client.meta.events.register_first("before-send.s3", lose_answer)
+    started = time.monotonic()
+    # Without recognising its own write the waiter would watch that new ETag for
+    # another full lease before taking the lock "over" from itself.
+    with waiter.lock("ds/1", timeout=1.7):
+        assert lost_answers == 1
+        assert json.loads(waiter.get("ds/1.lock"))["owner"] == waiter._held["ds/1"].token
+        assert time.monotonic() - started < 1.7
+
+
+@pytest.mark.parametrize(
+    ("start", "length", "expected"),
+    [(3, 4, b"3456"), (0, 10, DATA), (2, 10, None), (9, 1, b"9")],
+    ids=["middle", "all", "past-end-same-length", "last-byte"],
+)
+def test_server_ignoring_range(
+    mock_bucket: str, start: int, length: int, expected: bytes | None
+) -> None:
+    """A server that answers a ranged GET with the whole object is sliced, never trusted."""
+    backend = S3Backend(f"s3://{mock_bucket}/p")
+    backend.put("r", DATA)
+
+    def drop_range(request: Any, **_: Any) -> None:
+        if "Range" in request.headers:
+            del request.headers["Range"]
+
+    backend.client.meta.events.register_first("before-send.s3", drop_range)
+    if expected is None:
+        with pytest.raises(InvalidArgumentError, match="past the end"):
+            backend.get_range("r", start, length)
+    else:
+        assert bytes(backend.get_range("r", start, length)) == expected
+
+
+@pytest.mark.parametrize("short_answers", [1, 3], ids=["once", "every-attempt"])
+def test_short_body(mock_bucket: str, monkeypatch: pytest.MonkeyPatch, short_answers: int) -> None:
+    """A body shorter than its Content-Length is retried, and never returned."""
+    backend = S3Backend(f"s3://{mock_bucket}/p", max_attempts=3)
+    backend.put("k", DATA)
+    original = backend._call
+    reads = 0
+
+    class Short:
+        def __init__(self, body: Any) -> None:
+            self.body = body
+
+        def read(self) -> bytes:
+            return bytes(self.body.read())[:-3]
+
+        def close(self) -> None:
+            self.body.close()
+
+    def call(action: str, key: str | None, method: str, **kwargs: Any) -> Any:
+        nonlocal reads
+        resp = original(action, key, method, **kwargs)
+        if method == "get_object":
+            reads += 1
+            if reads <= short_answers:
+                resp["Body"] = Short(resp["Body"])
+        return resp
+
+    monkeypatch.setattr(backend, "_call", call)
+    if short_answers < 3:
+        assert bytes(backend.get("k")) == DATA
+        assert reads == short_answers + 1
+    else:
+        with pytest.raises(StorageError, match="shorter than announced"):
+            backend.get("k")
+        assert reads == 3
+
+
+def _use_after_fork(backend: S3Backend, conn: Any) -> None:
+    try:
+        ranges = [bytes(b) for b in backend.get_ranges("big", [(0, 4), (100, 4), (5000, 4)])]
+        conn.send(("ok", ranges, sorted(backend._held)))
+    except BaseException as err:
+        conn.send(("error", repr(err), []))
+
+
+@pytest.mark.timeout(60)
+def test_backend_usable_after_fork(mock_bucket: str) -> None:
+    """A fork child gets its own client, pool and lock; its parent's build locks are not its own."""
+    backend = S3Backend(f"s3://{mock_bucket}/p", lock_settle=0.0)
+    data = bytes(range(256)) * 40
+    backend.put("big", data)
+    backend.get_ranges("big", [(0, 10), (10, 10), (20, 10)])  # the parent's pool threads exist
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    with backend.lock("ds/1"):
+        # A parent thread is inside the backend's own lock at the moment of fork.
+        with backend._init_lock:
+            child = ctx.Process(target=_use_after_fork, args=(backend, child_end))
+            child.start()
+        try:
+            assert parent_end.poll(30), "the child hung"
+            status, ranges, held = parent_end.recv()
+            child.join(30)
+        finally:
+            if child.is_alive():
+                child.kill()
+        assert status == "ok", ranges
+        assert ranges == [data[0:4], data[100:104], data[5000:5004]]
+        assert held == []  # the parent's lock is renewed by the parent, not held by the child
+        assert child.exitcode == 0
+        assert backend._held["ds/1"].valid()
+        assert bytes(backend.get_range("big", 7, 3)) == data[7:10]  # the parent is unaffected
 
 
 def test_lock_released_on_error(mock_bucket: str) -> None:
