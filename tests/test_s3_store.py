@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import yogastore as y
-from storage_backends.errors import CorruptCacheError, KeyNotFoundError
+from storage_backends.errors import CorruptCacheError, InvalidArgumentError, KeyNotFoundError
 from tests.backends.s3_support import (
     REGION,
     SPEC,
@@ -27,8 +29,8 @@ from tests.backends.s3_support import (
     fake_credentials,
     records,
 )
-from yogastore.diskcache import DiskCache
-from yogastore.remote import RemoteChunkSource, coalesce
+from yogastore.diskcache import _ENTRY, _META, DiskCache, _digest
+from yogastore.remote import RemoteChunkSource, RemoteOptions, coalesce
 
 pytestmark = pytest.mark.s3
 
@@ -144,21 +146,62 @@ def test_cache_size_limit_evicts_least_recently_used(bucket: str, tmp_path: Path
     assert not pieces[0]
 
 
-def test_damaged_cache_entry_is_refetched(bucket: str, tmp_path: Path) -> None:
-    ref = build(s3_store(tmp_path))
-    expected = read_all(ref.stream(0, 1, shuffle=y.Shuffle.NONE))
+def _damage(cache: DiskCache, how: str) -> int:
+    """Damage every entry of the read cache in one way; return how many."""
+    with cache.env.begin(write=True) as txn:
+        entries = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=cache.data_db)]
+        for key, value in entries:
+            meta = bytes(txn.get(key, db=cache.meta_db))
+            if how == "zeros":  # same length, digest no longer matches
+                txn.put(key, bytes(len(value)), db=cache.data_db)
+            elif how == "short":  # fewer bytes than [start, end), with a matching digest
+                short = value[: len(value) // 2]
+                charged, tick, _ = _META.unpack(meta)
+                txn.put(key, short, db=cache.data_db)
+                txn.put(key, _META.pack(charged, tick, _digest(key, short)), db=cache.meta_db)
+            elif how == "bad-meta":  # metadata of the wrong size
+                txn.put(key, meta[:5], db=cache.meta_db)
+            else:  # "moved": value and metadata intact, under offsets one byte later
+                cid, start, end = _ENTRY.unpack(key)
+                if start == 0:
+                    continue  # keep chunk indexes: a bad index drops the whole chunk
+                txn.delete(key, db=cache.data_db)
+                txn.delete(key, db=cache.meta_db)
+                moved = _ENTRY.pack(cid, start + 1, end + 1)
+                txn.put(moved, value, db=cache.data_db)
+                txn.put(moved, meta, db=cache.meta_db)
+    return len(entries)
+
+
+@pytest.mark.parametrize(
+    ("how", "shuffle"),
+    [
+        ("zeros", y.Shuffle.NONE),
+        ("short", y.Shuffle.NONE),
+        ("short", y.Shuffle.GLOBAL),
+        ("bad-meta", y.Shuffle.GLOBAL),
+        ("moved", y.Shuffle.GLOBAL),
+    ],
+    ids=["zeros-whole", "short-whole", "short-ranged", "bad-meta-ranged", "moved-ranged"],
+)
+def test_damaged_cache_entry_is_refetched(
+    bucket: str, tmp_path: Path, how: str, shuffle: y.Shuffle
+) -> None:
+    """Damaged entries are dropped and fetched again, on whole-chunk and ranged reads."""
+    ref = build(s3_store(tmp_path), n=300)
+    # NONE reads whole chunks (checksummed); GLOBAL over two ranks reads byte
+    # ranges, whose record bytes only the cache's own checks protect.
+    first = ref.stream(0, 2, shuffle=shuffle, seed=3)
+    expected = read_all(first)
+    fetched = first.stats()["bytes_fetched"]
     cache = DiskCache(tmp_path / "read-cache", 1 << 30)  # this process's open environment
-    damaged = 0
-    with cache.env.begin(write=True, db=cache.data_db) as txn:
-        for key, value in list(txn.cursor()):
-            txn.put(key, bytes(len(value)))  # zeros, same length
-            damaged += 1
-    assert damaged > 0
-    stream = s3_store(tmp_path).open("ds", "1").stream(0, 1, shuffle=y.Shuffle.NONE)
-    assert read_all(stream) == expected
+    assert _damage(cache, how) > 0
+    stream = s3_store(tmp_path).open("ds", "1").stream(0, 2, shuffle=shuffle, seed=3)
+    assert read_all(stream) == expected  # values checked record by record
     stats = stream.stats()
-    assert stats["cache_hits"] == 0
-    assert stats["bytes_fetched"] >= ref.nbytes * 0.9
+    assert stats["bytes_fetched"] >= fetched * 0.9  # nothing damaged was trusted
+    if shuffle is y.Shuffle.NONE:  # ranged reads may hit bytes overfetched in this pass
+        assert stats["cache_hits"] == 0
 
 
 def test_missing_chunk_is_corrupt_cache(bucket: str, tmp_path: Path) -> None:
@@ -311,6 +354,30 @@ def test_coalesce(gap: int, overfetch: float, expected: list[tuple[int, int]]) -
     assert coalesce(starts, ends, gap, overfetch) == expected
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"overfetch": "0.1"},
+        {"overfetch": None},
+        {"overfetch": 2.0},
+        {"whole_fraction": True},
+        {"whole_fraction": "0.5"},
+        {"whole_fraction": 0.0},
+    ],
+    ids=[
+        "overfetch-str",
+        "overfetch-none",
+        "overfetch-range",
+        "whole-bool",
+        "whole-str",
+        "whole-0",
+    ],
+)
+def test_remote_options_are_checked(options: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        RemoteOptions(**options)
+
+
 def test_copy_waiting_for_another_copier_keeps_its_result(bucket: str, tmp_path: Path) -> None:
     local = y.Store(tmp_path / "local", chunk_bytes=CHUNK)
     ref = build(local, n=100)
@@ -364,6 +431,41 @@ def test_disk_cache_ranges_lru_and_damage(tmp_path: Path) -> None:
     cache.drop_chunk(b)
     assert cache.read(b, [(0, 12_000)])[0] == [[]]
     assert cache.total() == 0
+
+
+_OPEN_WHILE_WRITING = """
+import sys, threading, time
+from pathlib import Path
+from yogastore.diskcache import DiskCache
+
+directory = Path(sys.argv[1])
+cache = DiskCache(directory, 1 << 20)
+inside = threading.Event()
+
+def writer():
+    with cache.env.begin(write=True) as txn:
+        inside.set()
+        time.sleep(0.2)  # needs the interpreter back to go on
+        txn.put(b"k", b"v", db=cache.data_db)
+
+thread = threading.Thread(target=writer)
+thread.start()
+assert inside.wait(10)
+DiskCache(directory, 1 << 20)  # a new reader of the same file, as each new source makes
+thread.join(10)
+assert not thread.is_alive()
+"""
+
+
+def test_disk_cache_opened_while_another_thread_writes(tmp_path: Path) -> None:
+    """Opening the cache again never waits for LMDB's writer lock (it would deadlock)."""
+    # In a child process: a regression hangs with the interpreter lock held.
+    subprocess.run(
+        [sys.executable, "-c", _OPEN_WHILE_WRITING, str(tmp_path / "dc")],
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
 
 
 @settings(max_examples=300, deadline=None)

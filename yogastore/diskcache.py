@@ -1,15 +1,26 @@
 """A disk cache of chunk byte ranges, shared by the processes of one machine.
 
 One LMDB file (``remote-cache.mdb``) holds ranges keyed by (chunk id, start,
-end), each with an xxh3 digest checked on every read; entries are evicted
-least recently used first once their total passes a size limit. LMDB's own
-locking makes the file safe for several processes; each process opens it
-once (py-lmdb refuses a second open) and never uses it across ``fork``.
+end), each with an xxh3 digest of key and value checked on every read, so a
+value stored under the wrong key is caught like a damaged one; an entry whose
+value length differs from ``end - start`` is refused before the digest is
+even looked at. Entries are evicted least recently used first once their total
+passes a size limit. LMDB's own locking makes the file safe for several
+processes; each process opens it once (py-lmdb refuses a second open) and
+never uses it across ``fork``.
+
+A process forked from one that had the file open cannot use it: the
+inherited environment must not be used, py-lmdb refuses to open the file
+again while it is open, and closing it in the child would clear the parent's
+reader slots in the shared lock table. Opening or using a cache there raises
+``StorageError`` saying so; processes started with ``spawn`` or
+``forkserver`` share the cache normally.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import struct
@@ -22,6 +33,7 @@ from typing import Any
 import lmdb
 import xxhash
 
+from storage_backends.errors import StorageError
 from yogastore.manifest import ChunkInfo
 
 __all__ = ["CACHE_FILE", "DiskCache", "Piece"]
@@ -38,16 +50,31 @@ _TOTAL_KEY = b"total"
 _ENTRY_OVERHEAD = 160  # LMDB bytes per entry beyond its value, roughly
 _MIB = 1 << 20
 
-# Open environments of this process, by path: py-lmdb must not open one file
-# twice in a process, nor use an environment inherited across fork.
-_ENVS: dict[str, Any] = {}
+# Open environments of this process with their named databases, by path:
+# py-lmdb must not open one file twice in a process, nor use an environment
+# inherited across fork. The databases are opened once, with the environment:
+# ``open_db`` without a transaction waits for LMDB's writer lock without
+# letting other threads run, so it deadlocks against a thread in a write.
+_ENVS: dict[str, tuple[Any, Any, Any, Any]] = {}
 _ENVS_LOCK = threading.Lock()
-_INHERITED: list[Any] = []
+# Open in a parent process: never used or closed here.
+_INHERITED: dict[str, tuple[Any, Any, Any, Any]] = {}
 
 
 def _after_fork() -> None:
-    _INHERITED.extend(_ENVS.values())
+    global _ENVS_LOCK
+    _ENVS_LOCK = threading.Lock()  # a parent thread may have held it
+    _INHERITED.update(_ENVS)
     _ENVS.clear()
+
+
+def _forked_error(path: str) -> StorageError:
+    return StorageError(
+        errno.EBUSY,
+        f"read cache {path} was open when this process was forked from its parent: LMDB "
+        "must not be used across fork and cannot be opened again in this process; start "
+        "worker processes with the 'spawn' or 'forkserver' method to share the cache",
+    )
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -55,9 +82,32 @@ os.register_at_fork(after_in_child=_after_fork)
 
 @dataclasses.dataclass(slots=True)
 class Piece:
+    """Cached bytes ``[start, end)`` of one chunk.
+
+    Attributes:
+        start: offset of the first byte within the chunk.
+        end: offset one past the last byte; ``len(data) == end - start``.
+        data: the bytes.
+    """
+
     start: int
     end: int
     data: bytes
+
+
+def _digest(key: bytes, value: bytes | memoryview) -> int:
+    """Return the digest stored with an entry: xxh3_64 of its key, then its value."""
+    hasher = xxhash.xxh3_64(key)
+    hasher.update(value)
+    return int(hasher.intdigest())
+
+
+def _meta(raw: bytes | memoryview | None) -> tuple[int, int, int] | None:
+    """Unpack an entry's (charged bytes, last use, digest), or None if absent or malformed."""
+    if raw is None or len(raw) != _META.size:
+        return None
+    charged, tick, digest = _META.unpack(bytes(raw))
+    return int(charged), int(tick), int(digest)
 
 
 class DiskCache:
@@ -70,6 +120,10 @@ class DiskCache:
     Args:
         directory: where ``remote-cache.mdb`` lives (created if missing).
         limit: bytes of entries kept (values plus a per-entry overhead).
+
+    Raises:
+        StorageError: the file was open in the parent of this forked process
+            (also raised by any use of a cache object inherited across fork).
     """
 
     def __init__(self, directory: Path, limit: int) -> None:
@@ -77,9 +131,12 @@ class DiskCache:
         self.limit = limit
         directory.mkdir(parents=True, exist_ok=True)
         key = str(self.path.resolve())
+        self._pid = os.getpid()
         with _ENVS_LOCK:
-            env = _ENVS.get(key)
-            if env is None:
+            if key in _INHERITED:
+                raise _forked_error(key)
+            opened = _ENVS.get(key)
+            if opened is None:
                 env = lmdb.open(
                     key,
                     subdir=False,
@@ -91,11 +148,21 @@ class DiskCache:
                     max_readers=1024,
                     lock=True,
                 )
-                _ENVS[key] = env
-        self.env = env
-        self.data_db = env.open_db(b"data")
-        self.meta_db = env.open_db(b"meta")
-        self.lru_db = env.open_db(b"lru")
+                with env.begin(write=True) as txn:
+                    data, meta, lru = (env.open_db(n, txn=txn) for n in (b"data", b"meta", b"lru"))
+                opened = (env, data, meta, lru)
+                _ENVS[key] = opened
+        self._env: Any = opened[0]
+        self.data_db: Any = opened[1]
+        self.meta_db: Any = opened[2]
+        self.lru_db: Any = opened[3]
+
+    @property
+    def env(self) -> Any:
+        """The LMDB environment (only in the process that opened it)."""
+        if self._pid != os.getpid():
+            raise _forked_error(str(self.path))
+        return self._env
 
     @staticmethod
     def chunk_id(url: str, info: ChunkInfo) -> bytes:
@@ -105,7 +172,8 @@ class DiskCache:
     def read(self, cid: bytes, ranges: Sequence[Range]) -> tuple[list[list[Piece]], list[bytes]]:
         """Return, per range, the cached pieces overlapping it, and the keys read.
 
-        Entries failing their digest are deleted and not returned.
+        Entries that fail their checks (key and value lengths, digest of key
+        and value) are deleted and not returned.
         """
         out: list[list[Piece]] = []
         used: list[bytes] = []
@@ -129,14 +197,22 @@ class DiskCache:
                     key = bytes(cur.key())
                     if key[:16] != cid:
                         break
+                    if len(key) != _ENTRY.size:
+                        bad.append(key)
+                        ok = cur.next()
+                        continue
                     _, start, end = _ENTRY.unpack(key)
                     if start >= b:
                         break
                     if end > a:
                         raw = cur.value()
-                        meta = txn.get(key, db=self.meta_db)
-                        digest = _META.unpack(bytes(meta))[2] if meta is not None else None
-                        if digest is not None and xxhash.xxh3_64_intdigest(raw) == digest:
+                        meta = _meta(txn.get(key, db=self.meta_db))
+                        if (
+                            meta is not None
+                            and start < end
+                            and len(raw) == end - start
+                            and _digest(key, raw) == meta[2]
+                        ):
                             pieces.append(Piece(start, end, bytes(raw)))
                             used.append(key)
                         else:
@@ -159,15 +235,14 @@ class DiskCache:
         """In one transaction: mark entries used, add entries, drop entries, evict."""
         now = time.time_ns()
         with self.env.begin(write=True) as txn:
-            total_raw = txn.get(_TOTAL_KEY, db=self.meta_db)
-            total = _TICK.unpack(total_raw)[0] if total_raw is not None else 0
+            total = self._total(txn)
             for key in drop:
                 total -= self._remove(txn, key)
             for key in touched:
-                meta = txn.get(key, db=self.meta_db)
+                meta = _meta(txn.get(key, db=self.meta_db))
                 if meta is None:
                     continue
-                charged, tick, digest = _META.unpack(meta)
+                charged, tick, digest = meta
                 txn.delete(_TICK.pack(tick) + key, db=self.lru_db)
                 txn.put(key, _META.pack(charged, now, digest), db=self.meta_db)
                 txn.put(_TICK.pack(now) + key, b"", db=self.lru_db)
@@ -178,9 +253,7 @@ class DiskCache:
                 key = _ENTRY.pack(cid, start, start + len(data))
                 total -= self._remove(txn, key)
                 txn.put(key, data, db=self.data_db)
-                txn.put(
-                    key, _META.pack(charged, now, xxhash.xxh3_64_intdigest(data)), db=self.meta_db
-                )
+                txn.put(key, _META.pack(charged, now, _digest(key, data)), db=self.meta_db)
                 txn.put(_TICK.pack(now) + key, b"", db=self.lru_db)
                 total += charged
             if total > self.limit:
@@ -192,22 +265,28 @@ class DiskCache:
                         if total <= target:
                             break
                         key = bytes(lru_key)[_TICK.size :]
-                        meta = txn.get(key, db=self.meta_db)
-                        total -= _META.unpack(meta)[0] if meta is not None else 0
-                        victims.append(key)
-                for key in victims:
+                        meta = _meta(txn.get(key, db=self.meta_db))
+                        total -= meta[0] if meta is not None else 0
+                        victims.append((bytes(lru_key), key))
+                for lru_key, key in victims:
                     self._remove(txn, key)
+                    txn.delete(lru_key, db=self.lru_db)  # also when its entry was malformed
             txn.put(_TOTAL_KEY, _TICK.pack(max(total, 0)), db=self.meta_db)
 
     def _remove(self, txn: Any, key: bytes) -> int:
-        meta = txn.get(key, db=self.meta_db)
-        if meta is None:
-            return 0
-        charged, tick, _ = _META.unpack(meta)
+        """Delete one entry; return the bytes it was charged (0 if unknown)."""
+        meta = _meta(txn.get(key, db=self.meta_db))
         txn.delete(key, db=self.data_db)
         txn.delete(key, db=self.meta_db)
+        if meta is None:
+            return 0
+        charged, tick, _ = meta
         txn.delete(_TICK.pack(tick) + key, db=self.lru_db)
-        return int(charged)
+        return charged
+
+    def _total(self, txn: Any) -> int:
+        raw = txn.get(_TOTAL_KEY, db=self.meta_db)
+        return int(_TICK.unpack(bytes(raw))[0]) if raw is not None and len(raw) == _TICK.size else 0
 
     def drop_chunk(self, cid: bytes) -> None:
         """Delete every entry of one chunk."""
@@ -225,5 +304,4 @@ class DiskCache:
     def total(self) -> int:
         """Return the bytes currently charged to the cache."""
         with self.env.begin() as txn:
-            raw = txn.get(_TOTAL_KEY, db=self.meta_db)
-        return _TICK.unpack(raw)[0] if raw is not None else 0
+            return self._total(txn)

@@ -30,6 +30,12 @@ processes of one machine, bounded by ``cache_bytes`` with least-recently-used
 eviction. Each cached range carries an xxh3 digest checked on every hit; a bad
 entry is dropped and fetched again.
 
+A source may be used on both sides of ``os.fork``: the child starts with no
+worker threads, no chunks in memory and fresh locks, made on first use; the
+parent is unaffected. The child cannot use the disk cache its parent had open
+(see ``yogastore.diskcache``): it reads from the object store only and logs a
+warning saying so.
+
 ``stats``: ``requests`` and ``bytes_fetched`` count network reads only;
 ``cache_hits`` and ``cache_misses`` count byte ranges found whole in, or
 missing (partly) from, the disk cache; ``chunks_verified`` counts whole chunks
@@ -44,15 +50,16 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import math
+import os
+import struct
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import numpy as np
-import numpy.typing as npt
 
 from storage_backends import Backend
 from storage_backends.errors import (
@@ -60,22 +67,29 @@ from storage_backends.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
 )
-from yogastore.diskcache import DiskCache, Piece
-from yogastore.format import ChunkView, ColumnBatch, ColumnSpec, gather, parse_header
-from yogastore.manifest import ChunkInfo, Manifest, checksum
+from yogastore.diskcache import DiskCache
+from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
+from yogastore.manifest import Manifest, checksum
 from yogastore.reader import ReadStats, locate
+from yogastore.remote_plan import (
+    ChunkState,
+    IntArray,
+    Job,
+    Planned,
+    Range,
+    coalesce,
+    cover,
+    first_jobs,
+    record_jobs,
+)
 
 __all__ = ["RemoteChunkSource", "RemoteOptions", "coalesce"]
 
 logger = logging.getLogger(__name__)
 
-IntArray = npt.NDArray[np.int64]
-Range = tuple[int, int]  # [start, end) byte offsets within one chunk
-
 _MIB = 1 << 20
 _DEFAULT_CACHE_BYTES = 8 << 30
 _DEFAULT_PARALLEL = 16
-_WHOLE_GAP = 4096  # holes this close are fetched together when completing a chunk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +131,10 @@ class RemoteOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("overfetch", "whole_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
         if not 0.0 <= self.overfetch <= 1.0:
             raise InvalidArgumentError(f"overfetch must be in [0, 1], got {self.overfetch!r}")
         if not 0.0 < self.whole_fraction <= 1.0:
@@ -137,133 +155,16 @@ class RemoteOptions:
         )
 
 
-def _cover(a: int, b: int, pieces: Sequence[Piece]) -> tuple[list[Piece], list[Range]]:
-    """Split ``[a, b)`` into the parts cached pieces cover and the gaps."""
-    fills: list[Piece] = []
-    gaps: list[Range] = []
-    pos = a
-    for p in pieces:
-        lo, hi = max(p.start, pos), min(p.end, b)
-        if hi <= lo:
-            continue
-        if lo > pos:
-            gaps.append((pos, lo))
-        fills.append(Piece(lo, hi, p.data[lo - p.start : hi - p.start]))
-        pos = hi
-    if pos < b:
-        gaps.append((pos, b))
-    return fills, gaps
+# Sources of this process, reset in a fork child before any other code runs there.
+_LIVE: weakref.WeakSet[RemoteChunkSource] = weakref.WeakSet()
 
 
-def coalesce(starts: IntArray, ends: IntArray, gap: int, overfetch: float = 0.0) -> list[Range]:
-    """Merge byte ranges that overlap or lie close together.
-
-    Ranges at most ``gap`` bytes apart always merge. Beyond that, neighbours
-    merge while the bytes skipped inside a merged range stay within
-    ``overfetch`` times the bytes it needs, so merging never inflates the bytes
-    fetched by more than that fraction.
-    """
-    keep = ends > starts
-    starts, ends = starts[keep], ends[keep]
-    if not len(starts):
-        return []
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    reach = np.maximum.accumulate(e)
-    new = np.ones(len(s), dtype=bool)
-    new[1:] = s[1:] > reach[:-1] + gap
-    firsts = np.nonzero(new)[0]
-    group_ends = np.maximum.reduceat(e, firsts)
-    merged = [(int(x), int(y)) for x, y in zip(s[firsts], group_ends, strict=True)]
-    if overfetch <= 0 or len(merged) < 2:
-        return merged
-    out = [merged[0]]
-    needed = merged[0][1] - merged[0][0]
-    skipped = 0
-    for a, b in merged[1:]:
-        lo, hi = out[-1]
-        hole = a - hi
-        if skipped + hole <= overfetch * (needed + b - a):
-            out[-1] = (lo, b)
-            needed += b - a
-            skipped += hole
-        else:
-            out.append((a, b))
-            needed, skipped = b - a, 0
-    return out
+def _after_fork() -> None:
+    for source in list(_LIVE):
+        source._reset_after_fork()
 
 
-# Chunk states ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _ChunkState:
-    """What this process holds of one chunk: nothing, its index and some records, or all."""
-
-    chunk: int
-    info: ChunkInfo
-    cid: bytes
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    buf: npt.NDArray[np.uint8] | None = None
-    view: ChunkView | None = None
-    header: dict[str, Any] | None = None
-    have: npt.NDArray[np.bool_] | None = None
-    whole: bool = False
-    resident: int = 0
-    pins: int = 0
-
-    def record_ranges(
-        self, records: IntArray, columns: Sequence[ColumnSpec]
-    ) -> tuple[IntArray, IntArray]:
-        """Return the data byte ranges (starts, ends) of ``records`` in every column."""
-        if self.view is None or self.header is None:  # pragma: no cover - index loaded first
-            raise CorruptCacheError(f"chunk {self.info.key}: index not loaded")
-        starts: list[IntArray] = []
-        ends: list[IntArray] = []
-        for i, (spec, col) in enumerate(zip(columns, self.view.columns, strict=True)):
-            base = int(self.header["cols"][i]["data"][0])
-            if spec.layout == "fixed":
-                row = spec.np_dtype.itemsize * math.prod(d or 0 for d in spec.shape)
-                s = base + records * row
-                e = s + row
-            elif col.offsets is None:  # pragma: no cover - var/bytes always have offsets
-                raise CorruptCacheError(f"chunk {self.info.key}: column {i} lacks offsets")
-            elif spec.layout == "var":
-                size = spec.np_dtype.itemsize
-                s = base + col.offsets[records] * size
-                e = base + col.offsets[records + 1] * size
-            else:
-                if col.boffsets is None:  # pragma: no cover
-                    raise CorruptCacheError(f"chunk {self.info.key}: column {i} lacks boffsets")
-                s = base + col.boffsets[col.offsets[records]]
-                e = base + col.boffsets[col.offsets[records + 1]]
-            starts.append(np.asarray(s, dtype=np.int64))
-            ends.append(np.asarray(e, dtype=np.int64))
-        if not starts:
-            empty = np.empty(0, dtype=np.int64)
-            return empty, empty
-        return np.concatenate(starts), np.concatenate(ends)
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Job:
-    """Byte ranges of one chunk to place into ``buf``."""
-
-    state: _ChunkState
-    buf: npt.NDArray[np.uint8]
-    ranges: list[Range]
-    gap: int
-    whole: bool = False
-    from_cache: bool = False
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Planned:
-    records: IntArray
-    chunks: IntArray
-    counts: IntArray
-    counted: bool = True
-    future: concurrent.futures.Future[None] | None = None
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class RemoteChunkSource:
@@ -284,10 +185,10 @@ class RemoteChunkSource:
         self.stats = ReadStats()
         self._columns = manifest.columns()
         self._starts = manifest.chunk_starts()
-        self._states: collections.OrderedDict[int, _ChunkState] = collections.OrderedDict()
+        self._states: collections.OrderedDict[int, ChunkState] = collections.OrderedDict()
         self._resident = 0
         self._need = np.zeros(len(manifest.chunks), dtype=np.int64)
-        self._handed: dict[int, _Planned] = {}
+        self._handed: dict[int, Planned] = {}
         self._lock = threading.Lock()
         self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._prep_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -297,22 +198,57 @@ class RemoteChunkSource:
             self.options.memory_bytes,
             3 * self.options.horizon_chunks * max((c.nbytes for c in manifest.chunks), default=0),
         )
-        self.cache: DiskCache | None = None
-        if self.options.cache_dir is not None and self.options.cache_bytes > 0:
-            try:
-                self.cache = DiskCache(self.options.cache_dir, self.options.cache_bytes)
-            except (lmdb.Error, OSError) as err:
-                logger.warning(
-                    "read cache under %s unavailable, reading from %s only: %s",
-                    self.options.cache_dir,
-                    backend.url,
-                    err,
-                )
+        self._pid = os.getpid()
+        self._reopen = False
+        self.cache = self._open_cache()
+        _LIVE.add(self)
+
+    def _open_cache(self) -> DiskCache | None:
+        if self.options.cache_dir is None or self.options.cache_bytes <= 0:
+            return None
+        try:
+            return DiskCache(self.options.cache_dir, self.options.cache_bytes)
+        except (lmdb.Error, OSError) as err:
+            logger.warning(
+                "read cache under %s unavailable, reading from %s only: %s",
+                self.options.cache_dir,
+                self.backend.url,
+                err,
+            )
+            return None
+
+    def _reset_after_fork(self) -> None:
+        """Drop what belongs to the parent process (called in a fork child).
+
+        Its pool threads do not exist here (a pool would queue work forever),
+        its locks may have been held by them, and its LMDB environment must not
+        be used here; opening the disk cache is tried again on first use.
+        """
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._fetch_pool = self._prep_pool = None
+        self._states = collections.OrderedDict()
+        self._resident = 0
+        self._need = np.zeros(len(self.manifest.chunks), dtype=np.int64)
+        self._handed = {}
+        self._reopen = self._reopen or self.cache is not None
+        self.cache = None
+
+    def _check_process(self) -> None:
+        """Make this source usable in the current process (after fork, first use)."""
+        if self._pid != os.getpid():  # pragma: no cover - the fork hook ran first
+            self._reset_after_fork()
+        if self._reopen:
+            with self._lock:
+                if self._reopen:
+                    self._reopen = False
+                    self.cache = self._open_cache()
 
     # Public ----------------------------------------------------------------------
 
     def gather(self, records: IntArray) -> list[ColumnBatch]:
         """Return one ``ColumnBatch`` per column for ``records``, in order."""
+        self._check_process()
         with self._lock:
             item = self._handed.pop(id(records), None)
         if item is not None and item.records is not records:  # pragma: no cover - ids unique
@@ -339,7 +275,8 @@ class RemoteChunkSource:
         handed out but not gathered yet) are counted per chunk, so that a chunk
         mostly needed soon is fetched whole.
         """
-        ahead: collections.deque[_Planned] = collections.deque()
+        self._check_process()
+        ahead: collections.deque[Planned] = collections.deque()
         queued = 0
         upstream = iter(batches)
         exhausted = False
@@ -359,7 +296,7 @@ class RemoteChunkSource:
                         break
                     which, _ = locate(self.manifest, self._starts, records)
                     chunks, counts = np.unique(which, return_counts=True)
-                    item = _Planned(records, chunks, counts.astype(np.int64))
+                    item = Planned(records, chunks, counts.astype(np.int64))
                     with self._lock:
                         self._need[chunks] += item.counts
                     ahead.append(item)
@@ -388,6 +325,7 @@ class RemoteChunkSource:
 
     def close(self) -> None:
         """Stop the worker threads and drop the chunks held in memory."""
+        self._check_process()
         for pool in (self._prep_pool, self._fetch_pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -398,7 +336,7 @@ class RemoteChunkSource:
 
     # Planning ------------------------------------------------------------------------
 
-    def _uncount(self, item: _Planned) -> None:
+    def _uncount(self, item: Planned) -> None:
         with self._lock:
             if item.counted:
                 self._need[item.chunks] -= item.counts
@@ -420,18 +358,18 @@ class RemoteChunkSource:
                 )
             return self._fetch_pool
 
-    def _prepare(self, item: _Planned) -> None:
+    def _prepare(self, item: Planned) -> None:
         try:
             self._ensure(item.records, item)
         except Exception as err:  # gather repeats the work and raises it properly
             logger.debug("read-ahead failed, retried on demand: %s", err)
 
-    def _state(self, chunk: int) -> _ChunkState:
+    def _state(self, chunk: int) -> ChunkState:
         with self._lock:
             state = self._states.get(chunk)
             if state is None:
                 info = self.manifest.chunks[chunk]
-                state = _ChunkState(chunk, info, DiskCache.chunk_id(self.backend.url, info))
+                state = ChunkState(chunk, info, DiskCache.chunk_id(self.backend.url, info))
                 self._states[chunk] = state
             else:
                 self._states.move_to_end(chunk)
@@ -456,11 +394,11 @@ class RemoteChunkSource:
 
     # Fetching -----------------------------------------------------------------------
 
-    def _where(self, state: _ChunkState) -> str:
+    def _where(self, state: ChunkState) -> str:
         return f"{self.manifest.where} chunk {state.chunk} ({state.info.key})"
 
     def _ensure(
-        self, records: IntArray, item: _Planned | None = None
+        self, records: IntArray, item: Planned | None = None
     ) -> tuple[list[ChunkView], IntArray, IntArray]:
         """Make every record of ``records`` readable; return views, chunk slots, locals.
 
@@ -480,11 +418,11 @@ class RemoteChunkSource:
 
     def _ensure_states(
         self,
-        states: list[_ChunkState],
+        states: list[ChunkState],
         chunks: IntArray,
         inverse: IntArray,
         local: IntArray,
-        item: _Planned | None,
+        item: Planned | None,
     ) -> tuple[list[ChunkView], IntArray, IntArray]:
         order = np.argsort(inverse, kind="stable")
         bounds = np.searchsorted(inverse[order], np.arange(len(states) + 1))
@@ -492,49 +430,24 @@ class RemoteChunkSource:
         with contextlib.ExitStack() as stack:
             for state in states:  # ascending chunk order: no lock-order cycles
                 stack.enter_context(state.lock)
-            whole_jobs: list[_Job] = []
-            index_jobs: list[_Job] = []
             with self._lock:
                 need = self._need[chunks].copy()
                 counted = item is not None and item.counted
-            for state, want, soon in zip(states, wanted, need, strict=True):
-                if state.whole:
-                    continue
-                # Records of this chunk needed by this batch and the ones ahead.
-                expected = int(soon) + (0 if counted else len(want))
-                # A chunk already partly read by ranges is completed by ranges:
-                # fetching it whole would fetch those bytes again.
-                started = state.have is not None and bool(state.have.any())
-                if not started and expected >= self.options.whole_fraction * state.info.count:
-                    buf = np.empty(state.info.nbytes, dtype=np.uint8)
-                    job = _Job(state, buf, [(0, state.info.nbytes)], _WHOLE_GAP, whole=True)
-                    whole_jobs.append(job)
-                elif state.view is None:
-                    buf = np.zeros(state.info.nbytes, dtype=np.uint8)
-                    index_jobs.append(_Job(state, buf, [(0, state.info.index_bytes)], 0))
+            whole_jobs, index_jobs = first_jobs(
+                states, wanted, need, counted, self.options.whole_fraction
+            )
             self._run(whole_jobs + index_jobs)
             for job in whole_jobs:
                 self._install_whole(job)
             for job in index_jobs:
                 self._install_index(job)
-            data_jobs: list[_Job] = []
-            missing_sets: list[tuple[_ChunkState, IntArray]] = []
-            for state, want in zip(states, wanted, strict=True):
-                if state.whole or state.have is None or state.buf is None:
-                    continue
-                missing = want[~state.have[want]]
-                if not len(missing):
-                    continue
-                starts, ends = state.record_ranges(missing, self._columns)
-                ranges = coalesce(starts, ends, self.options.coalesce_gap, self.options.overfetch)
-                if ranges:
-                    data_jobs.append(_Job(state, state.buf, ranges, self.options.coalesce_gap))
-                missing_sets.append((state, missing))
+            data_jobs, missing_sets = record_jobs(
+                states, wanted, self._columns, self.options.coalesce_gap, self.options.overfetch
+            )
             self._run(data_jobs)
             with self._lock:
-                for state, missing in missing_sets:
-                    assert state.have is not None  # set with the index
-                    state.have[missing] = True
+                for have, missing in missing_sets:
+                    have[missing] = True
                 for job in data_jobs:
                     added = sum(b - a for a, b in job.ranges)
                     job.state.resident += added
@@ -546,7 +459,7 @@ class RemoteChunkSource:
                 views.append(state.view)
         return views, inverse, local
 
-    def _install_whole(self, job: _Job) -> None:
+    def _install_whole(self, job: Job) -> None:
         state = job.state
         where = self._where(state)
         if checksum(job.buf.data) != state.info.checksum:
@@ -571,7 +484,7 @@ class RemoteChunkSource:
             state.resident = state.info.nbytes
             state.buf, state.view, state.whole, state.have = job.buf, view, True, None
 
-    def _install_index(self, job: _Job) -> None:
+    def _install_index(self, job: Job) -> None:
         state = job.state
         where = self._where(state)
         size = state.info.index_bytes
@@ -598,17 +511,17 @@ class RemoteChunkSource:
         """Run a disk cache operation; on failure disable the cache, keep reading."""
         try:
             return fn(*args)
-        except (lmdb.Error, OSError) as err:
+        except (lmdb.Error, OSError, struct.error) as err:
             logger.warning("read cache disabled after an error: %s", err)
             self.cache = None
             return None
 
-    def _run(self, jobs: Sequence[_Job], use_cache: bool = True) -> None:
+    def _run(self, jobs: Sequence[Job], use_cache: bool = True) -> None:
         """Fill every job's ranges from the disk cache, then the network."""
         if not jobs:
             return
         cache = self.cache if use_cache else None
-        fetches: list[tuple[_Job, int, int]] = []
+        fetches: list[tuple[Job, int, int]] = []
         touched: list[bytes] = []
         hits = misses = 0
         for job in jobs:
@@ -619,7 +532,7 @@ class RemoteChunkSource:
                     pieces_per_range, used = found
                     gaps, covered = [], 0
                     for (a, b), pieces in zip(job.ranges, pieces_per_range, strict=True):
-                        fills, holes = _cover(a, b, pieces)
+                        fills, holes = cover(a, b, pieces)
                         for p in fills:
                             job.buf[p.start : p.end] = np.frombuffer(p.data, dtype=np.uint8)
                             covered += p.end - p.start
@@ -659,7 +572,7 @@ class RemoteChunkSource:
         if cache is not None and (touched or inserts):
             self._cache_call(cache.update, touched, inserts)
 
-    def _get(self, job: _Job, start: int, end: int) -> bytes:
+    def _get(self, job: Job, start: int, end: int) -> bytes:
         try:
             return bytes(self.backend.get_range(job.state.info.key, start, end - start))
         except KeyNotFoundError as err:
