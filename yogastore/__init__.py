@@ -7,9 +7,12 @@ imported when first needed.
 from __future__ import annotations
 
 from storage_backends.errors import (
+    AccessDeniedError,
+    BackendUnavailableError,
     CorruptCacheError,
     DatasetNotFoundError,
     InvalidArgumentError,
+    LockLostError,
     LockTimeoutError,
     StorageError,
     UnsupportedElementError,
@@ -24,6 +27,8 @@ from yogastore.stream import Stream, StreamState
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDeniedError",
+    "BackendUnavailableError",
     "ComponentSpec",
     "CorruptCacheError",
     "DatasetInfo",
@@ -31,6 +36,7 @@ __all__ = [
     "DatasetRef",
     "InvalidArgumentError",
     "Kind",
+    "LockLostError",
     "LockTimeoutError",
     "NullProgress",
     "Progress",
