@@ -69,6 +69,26 @@ def make_model() -> Any:
     return keras.Sequential([keras.Input((DIM,)), keras.layers.Dense(2)])
 
 
+def strategy_train_step(strategy: Any, model: Any, optimizer: Any, global_batch: int) -> Any:
+    """Return a ``tf.function`` running one synchronous step of ``model`` under ``strategy``."""
+    import tensorflow as tf
+
+    @tf.function  # type: ignore[misc]
+    def train_step(batch: dict[str, Any]) -> Any:
+        def step(batch: dict[str, Any]) -> Any:
+            with tf.GradientTape() as tape:
+                logits = model(batch["x"], training=True)
+                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(batch["y"], logits)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(step, args=(batch,)), axis=None)
+
+    return train_step
+
+
 def count_correct(model: Any, stream: Stream) -> tuple[int, int]:
     """Return (correctly classified, total) over the records of ``stream``."""
     correct = total = 0

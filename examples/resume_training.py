@@ -86,18 +86,7 @@ def train(args: argparse.Namespace) -> None:
 
     dist_ds = strategy.distribute_datasets_from_function(yd.dataset_fn(position, global_batch))
 
-    @tf.function
-    def train_step(batch: dict[str, tf.Tensor]) -> tf.Tensor:
-        def step(batch: dict[str, tf.Tensor]) -> tf.Tensor:
-            with tf.GradientTape() as tape:
-                logits = model(batch["x"], training=True)
-                per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(batch["y"], logits)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            return loss
-
-        return strategy.reduce("SUM", strategy.run(step, args=(batch,)), axis=None)
+    train_step = _common.strategy_train_step(strategy, model, optimizer, global_batch)
 
     log = _common.IdLog(args.out, rank)
     for epoch in range(position.epoch, args.epochs):

@@ -45,7 +45,7 @@ from storage_backends.errors import InvalidArgumentError
 from yogastore.keras_callback import PositionCallback
 from yogastore.order import Shuffle
 from yogastore.store import DEFAULT_BLOCK_WINDOW
-from yogastore.stream import Stream, StreamState
+from yogastore.stream import Stream, StreamState, _check_int
 
 if TYPE_CHECKING:
     from yogastore.store import DatasetRef
@@ -85,12 +85,6 @@ class Remainder(enum.Enum):
     trained on before the restore); every shard runs ``ceil(longest share /
     records per step)`` steps, also a shard whose share is empty.
     """
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 def _steps_for(total: int, num_shards: int, per_step: int, remainder: Remainder) -> int:

@@ -341,9 +341,7 @@ class _ColumnView:
     def record_shapes(self, idx: IntArray) -> IntArray:
         if self.shapes is not None:
             return self.shapes[idx]
-        known = np.array([d if d is not None else 0 for d in self.spec.shape], dtype=np.int64)
-        if self.spec.layout == "var" or self.spec.layout == "bytes":
-            return np.broadcast_to(known, (len(idx), self.spec.ndim))
+        known = np.array(_dims(self.spec), dtype=np.int64)
         return np.broadcast_to(known, (len(idx), self.spec.ndim))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -162,8 +162,3 @@ class LocalChunkSource:
 
     def close(self) -> None:
         self._views.clear()
-
-
-def describe(stats: ReadStats) -> dict[str, Any]:
-    """Return stats as a plain dict (for logs and JSON)."""
-    return stats.as_dict()

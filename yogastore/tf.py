@@ -167,7 +167,7 @@ def _plain(element: Any) -> Any:
 # Reading ---------------------------------------------------------------------
 
 
-def _wire(comp: ComponentSpec, value: Any, batched: bool) -> list[Any]:
+def _wire(comp: ComponentSpec, value: Any) -> list[Any]:
     if comp.kind is Kind.TENSOR:
         return [value]
     if comp.kind is Kind.RAGGED:
@@ -239,7 +239,7 @@ def to_tf_dataset(
         for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
             comps = batch_components(schema, cols, where)
             yield tuple(
-                w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v, True)
+                w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
             )
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
@@ -323,9 +323,7 @@ def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
             for i in range(len(cols[0]) if cols else 0):
                 comps = element_components(schema, cols, i)
                 yield tuple(
-                    w
-                    for c, v in zip(schema.components, comps, strict=True)
-                    for w in _wire(c, v, False)
+                    w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
                 )
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
