@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,39 @@ def test_feistel_is_keyed() -> None:
     b = FeistelPermutation(1000, 2)(np.arange(1000))
     assert not np.array_equal(a, b)
     assert not np.array_equal(a, np.arange(1000))
+
+
+def test_feistel_spreads_records_uniformly_over_positions() -> None:
+    """Over many keys, each position draws each region of records equally often."""
+    n, keys, bins = 1000, 400, 10
+    counts = np.zeros((bins, bins))
+    for key in range(keys):
+        out = FeistelPermutation(n, key)(np.arange(n))
+        np.add.at(counts, (np.arange(n) * bins // n, out * bins // n), 1)
+    expected = n * keys / bins**2
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # 81 degrees of freedom: the 99.99th percentile is about 135.
+    assert chi2 < 135, f"position/record bins far from uniform: chi2={chi2:.1f}"
+
+
+def test_feistel_orders_of_consecutive_epochs_are_unrelated() -> None:
+    n = 5000
+    firsts = [GlobalShuffleOrder(n, seed=4, epoch=e).records(np.arange(n)) for e in range(6)]
+    for a, b in itertools.pairwise(firsts):
+        rho = np.corrcoef(a, b)[0, 1]
+        assert abs(rho) < 0.06, f"orders of consecutive epochs correlate: {rho:.3f}"
+    # Neighbouring positions do not map to neighbouring records.
+    gaps = np.abs(np.diff(firsts[0]))
+    assert np.median(gaps) > n / 5
+
+
+def test_state_of_an_earlier_order_is_refused_clearly(
+    refs: dict[int, yogastore.DatasetRef],
+) -> None:
+    old = refs[30].stream(0, 2, seed=1).state(consumed=2).to_json()
+    old = old.replace('"yogastore_state":2', '"yogastore_state":1')
+    with pytest.raises(yogastore.InvalidArgumentError, match="earlier yogastore"):
+        yogastore.StreamState.from_json(old)
 
 
 def test_billion_record_slice_needs_no_big_memory() -> None:
@@ -295,7 +329,8 @@ def test_state_json_round_trip_and_validation(refs: dict[int, yogastore.DatasetR
     for bad in [
         "{}",
         "not json",
-        '{"yogastore_state": 1}',
+        '{"yogastore_state": 2}',
+        state.to_json().replace('"yogastore_state":2', '"yogastore_state":1'),
         state.to_json().replace('"epoch":0', '"epoch":-1'),
     ]:
         with pytest.raises(yogastore.InvalidArgumentError):

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 __all__ = ["Stream", "StreamState"]
 
 IntArray = npt.NDArray[np.int64]
-_STATE_VERSION = 1
+# Version 2: the shuffled order is the unbalanced Feistel network of order.py;
+# version-1 states named positions of another permutation.
+_STATE_VERSION = 2
 _INTERNAL_BATCH = 256
 _ORDER_PIECE = 16384  # positions mapped to records per call of the epoch order
 
@@ -106,7 +108,13 @@ class StreamState:
         """
         try:
             doc = json.loads(text)
-            if doc.get("yogastore_state") != _STATE_VERSION:
+            version = doc.get("yogastore_state")
+            if version == 1:
+                raise ValueError(
+                    "state version 1 was written by an earlier yogastore whose shuffled "
+                    "order differs; it cannot resume at the exact next record"
+                )
+            if version != _STATE_VERSION:
                 raise ValueError("not a yogastore stream state of a known version")
             ints = [doc[k] for k in ("num_records", "seed", "epoch", "block_window")]
             pairs = [tuple(p) for p in doc["remaining"]]
