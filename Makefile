@@ -12,7 +12,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(STAMP_RUN): pyproject.toml | $(PY)
+$(STAMP_RUN): pyproject.toml yogastore/_gather.c | $(PY)
 	$(PIP) install -q -e '.[tf,s3]'
 	touch $@
 

@@ -31,6 +31,7 @@ import itertools
 import json
 import math
 import struct
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +42,13 @@ import numpy.typing as npt
 from storage_backends.errors import CorruptCacheError, UnsupportedElementError
 from yogastore.spec import STRING, ComponentSpec, Kind, numpy_dtype
 
+try:  # the compiled row gather; without it FixedRows uses one numpy fancy index
+    from yogastore import _gather
+except ImportError:  # pragma: no cover - the package builds it on install
+    _gather = None  # type: ignore[assignment]
+
 __all__ = [
+    "BufferPool",
     "ChunkBuilder",
     "ChunkView",
     "ColumnBatch",
@@ -562,19 +569,74 @@ def _gather_fixed(
     return out
 
 
+class BufferPool:
+    """Aligned byte buffers for gathered batches, reused once nobody else holds them.
+
+    ``take`` returns a ``ALIGN``-aligned array; its memory is handed out again
+    only when the pool's own reference is the last one left: a batch the
+    caller keeps, or a tensor TensorFlow made from it without copying (it
+    does so for aligned arrays and keeps the array alive), is never
+    overwritten. Reusing memory spares the page faults of fresh allocations;
+    the pool never holds more buffers than were alive at once, at most
+    ``max_buffers``.
+    """
+
+    def __init__(self, max_buffers: int = 8) -> None:
+        self._buffers: list[np.ndarray] = []
+        self._max = max_buffers
+        self._lock = threading.Lock()
+        probe = [np.empty(ALIGN, np.uint8)]
+        self._idle = self._refs(probe, 0)  # count of a buffer only the pool holds
+
+    @staticmethod
+    def _refs(buffers: list[np.ndarray], i: int) -> int:
+        return sys.getrefcount(buffers[i])
+
+    @staticmethod
+    def _aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
+        start = -int(raw.__array_interface__["data"][0]) % ALIGN
+        return raw[start : start + nbytes]
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """Return a writable, aligned ``uint8`` array of ``nbytes`` (contents undefined)."""
+        size = nbytes + ALIGN
+        with self._lock:
+            spare = -1
+            for i in range(len(self._buffers)):
+                if self._refs(self._buffers, i) != self._idle:
+                    continue
+                if self._buffers[i].size == size:
+                    return self._aligned(self._buffers[i], nbytes)
+                spare = i
+            raw = np.empty(size, np.uint8)
+            if spare >= 0:  # an idle buffer of another size makes room
+                self._buffers[spare] = raw
+            elif len(self._buffers) < self._max:
+                self._buffers.append(raw)
+            return self._aligned(raw, nbytes)
+
+    def clear(self) -> None:
+        """Drop the pool's references (buffers still in use live on with their users)."""
+        with self._lock:
+            self._buffers.clear()
+
+
 class FixedRows:
-    """One fixed-shape column across the chunks a source holds, gathered with one index.
+    """One fixed-shape column across the chunks a source holds, gathered in one call.
 
     ``add`` each chunk's view once before gathering its records; the object
     keeps the spanned arrays alive. Safe to gather from several threads while
     another adds chunks: a gather uses one consistent (span, lowest) snapshot.
+    With the compiled ``_gather`` module, rows are copied straight into
+    aligned buffers from ``pool``; otherwise one numpy fancy index does it.
 
     Args:
         spec: the column (``fixed`` layout).
         num_chunks: chunks in the dataset.
+        pool: where output buffers come from (default: a pool of its own).
     """
 
-    def __init__(self, spec: ColumnSpec, num_chunks: int) -> None:
+    def __init__(self, spec: ColumnSpec, num_chunks: int, pool: BufferPool | None = None) -> None:
         if spec.layout != "fixed":
             raise UnsupportedElementError(f"FixedRows needs a fixed column, got {spec.layout}")
         self.spec = spec
@@ -587,7 +649,9 @@ class FixedRows:
         self._arrays: list[np.ndarray] = []
         self._lowest: np.ndarray | None = None
         self._end = 0
-        self._span: tuple[np.ndarray, int] | None = None  # (byte rows, their address)
+        # (byte rows, their address, the same bytes as one flat array)
+        self._span: tuple[np.ndarray, int, np.ndarray] | None = None
+        self._pool = pool if pool is not None else BufferPool()
         self._lock = threading.Lock()
 
     def add(self, chunk: int, view: ChunkView, column: int) -> None:
@@ -606,7 +670,11 @@ class FixedRows:
                 self._lowest = col.data
             self._end = max(self._end, end)
             rows = _row_span(self._lowest, self._end, self._row)
-            self._span = (rows, int(self._lowest.__array_interface__["data"][0]))
+            start = int(self._lowest.__array_interface__["data"][0])
+            flat = np.lib.stride_tricks.as_strided(
+                rows, shape=(self._end - start,), strides=(1,), writeable=False
+            )
+            self._span = (rows, start, flat)
 
     def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
         """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
@@ -617,13 +685,17 @@ class FixedRows:
         span = self._span
         if n == 0 or span is None:
             return ColumnBatch(self.spec, np.empty((n, *self._dims), self._dtype), shapes)
-        rows, lowest = span
+        rows, lowest, flat = span
         addresses = self._addresses[chunks]
         if not addresses.all():
             raise RuntimeError("FixedRows.gather: a chunk of the batch was never added")
         starts = addresses - lowest + local * self._row
-        data = rows[starts].view(self._dtype).reshape(n, *self._dims)
-        return ColumnBatch(self.spec, data, shapes)
+        if _gather is None:  # pragma: no cover - exercised when the extension is absent
+            data = rows[starts]
+        else:
+            data = self._pool.take(n * self._row)
+            _gather.gather_rows(data, flat, starts, self._row)
+        return ColumnBatch(self.spec, data.view(self._dtype).reshape(n, *self._dims), shapes)
 
 
 def gather(

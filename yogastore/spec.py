@@ -227,34 +227,39 @@ def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
 
 
+def _describe(node: Any, leaf: Callable[[Any], bool], leaves: list[Any]) -> Any:
+    if leaf(node):
+        leaves.append(node)
+        return {"type": "leaf", "index": len(leaves) - 1}
+    if isinstance(node, Mapping):
+        keys = sorted(node)
+        for k in keys:
+            if not isinstance(k, str):
+                raise UnsupportedElementError(f"dict key {k!r} is not a string")
+        return {
+            "type": "dict",
+            "keys": keys,
+            "items": [_describe(node[k], leaf, leaves) for k in keys],
+        }
+    if _is_namedtuple(node):
+        return {
+            "type": "namedtuple",
+            "name": type(node).__name__,
+            "fields": list(type(node)._fields),
+            "items": [_describe(v, leaf, leaves) for v in node],
+        }
+    if isinstance(node, tuple | list):
+        return {"type": "tuple", "items": [_describe(v, leaf, leaves) for v in node]}
+    raise UnsupportedElementError(f"element part of type {type(node).__name__} is not supported")
+
+
 def flatten_structure(value: Any, leaf: Callable[[Any], bool]) -> tuple[Any, list[Any]]:
     """Split a nest into a JSON structure description and its leaves."""
+    # Module-level recursion (here and in pack_structure, Schema.flatten): a
+    # closure calling itself is a reference cycle that keeps every element's
+    # arrays alive until the garbage collector runs.
     leaves: list[Any] = []
-
-    def walk(node: Any) -> Any:
-        if leaf(node):
-            leaves.append(node)
-            return {"type": "leaf", "index": len(leaves) - 1}
-        if isinstance(node, Mapping):
-            keys = sorted(node)
-            for k in keys:
-                if not isinstance(k, str):
-                    raise UnsupportedElementError(f"dict key {k!r} is not a string")
-            return {"type": "dict", "keys": keys, "items": [walk(node[k]) for k in keys]}
-        if _is_namedtuple(node):
-            return {
-                "type": "namedtuple",
-                "name": type(node).__name__,
-                "fields": list(type(node)._fields),
-                "items": [walk(v) for v in node],
-            }
-        if isinstance(node, tuple | list):
-            return {"type": "tuple", "items": [walk(v) for v in node]}
-        raise UnsupportedElementError(
-            f"element part of type {type(node).__name__} is not supported"
-        )
-
-    return walk(value), leaves
+    return _describe(value, leaf, leaves), leaves
 
 
 def _check_structure(node: Any, count: int, seen: set[int], depth: int = 0) -> None:
@@ -290,19 +295,15 @@ def _check_structure(node: Any, count: int, seen: set[int], depth: int = 0) -> N
 
 def pack_structure(structure: Any, leaves: Sequence[Any]) -> Any:
     """Rebuild a nest from its structure description and leaves."""
-
-    def build(node: Any) -> Any:
-        kind = node["type"]
-        if kind == "leaf":
-            return leaves[node["index"]]
-        items = [build(v) for v in node["items"]]
-        if kind == "dict":
-            return dict(zip(node["keys"], items, strict=True))
-        if kind == "namedtuple":
-            return _namedtuple_class(node["name"], tuple(node["fields"]))(*items)
-        return tuple(items)
-
-    return build(structure)
+    kind = structure["type"]
+    if kind == "leaf":
+        return leaves[structure["index"]]
+    items = [pack_structure(v, leaves) for v in structure["items"]]
+    if kind == "dict":
+        return dict(zip(structure["keys"], items, strict=True))
+    if kind == "namedtuple":
+        return _namedtuple_class(structure["name"], tuple(structure["fields"]))(*items)
+    return tuple(items)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -355,27 +356,25 @@ class Schema:
     def flatten(self, element: Any) -> list[Any]:
         """Return the leaves of an element with this schema's structure."""
         leaves: list[Any] = []
-
-        def walk(node: Any, value: Any, path: str) -> None:
-            kind = node["type"]
-            if kind == "leaf":
-                leaves.append(value)
-                return
-            if kind == "dict":
-                if not isinstance(value, Mapping) or sorted(value) != node["keys"]:
-                    raise UnsupportedElementError(
-                        f"element at {path or 'top'} does not match the spec"
-                    )
-                for k, child in zip(node["keys"], node["items"], strict=True):
-                    walk(child, value[k], f"{path}/{k}")
-                return
-            if not isinstance(value, tuple | list) or len(value) != len(node["items"]):
-                raise UnsupportedElementError(f"element at {path or 'top'} does not match the spec")
-            for i, (child, v) in enumerate(zip(node["items"], value, strict=True)):
-                walk(child, v, f"{path}/{i}")
-
-        walk(self.structure, element, "")
+        _flatten_into(self.structure, element, "", leaves)
         return leaves
+
+
+def _flatten_into(node: Any, value: Any, path: str, leaves: list[Any]) -> None:
+    kind = node["type"]
+    if kind == "leaf":
+        leaves.append(value)
+        return
+    if kind == "dict":
+        if not isinstance(value, Mapping) or sorted(value) != node["keys"]:
+            raise UnsupportedElementError(f"element at {path or 'top'} does not match the spec")
+        for k, child in zip(node["keys"], node["items"], strict=True):
+            _flatten_into(child, value[k], f"{path}/{k}", leaves)
+        return
+    if not isinstance(value, tuple | list) or len(value) != len(node["items"]):
+        raise UnsupportedElementError(f"element at {path or 'top'} does not match the spec")
+    for i, (child, v) in enumerate(zip(node["items"], value, strict=True)):
+        _flatten_into(child, v, f"{path}/{i}", leaves)
 
 
 def leaf_paths(structure: Any, count: int) -> list[str]:
