@@ -125,7 +125,8 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
         remainder: ``Remainder.DROP`` (default) or ``Remainder.PAD``: how every
             shard gets the same number of steps.
         block_window: chunks mixed together by ``Shuffle.BLOCK``.
-        prefetch: batches read ahead on a background thread.
+        prefetch: batches read ahead on a background thread (default: 2 for
+            object stores, none for local memory-mapped reads).
 
     Raises:
         InvalidArgumentError: an argument is out of range.
@@ -140,14 +141,14 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
         epoch: int = 0,
         remainder: Remainder = Remainder.DROP,
         block_window: int = DEFAULT_BLOCK_WINDOW,
-        prefetch: int = 2,
+        prefetch: int | None = None,
     ) -> None:
         if not isinstance(remainder, Remainder):
             raise InvalidArgumentError(f"remainder must be a Remainder, got {remainder!r}")
         probe = ref.stream(0, 1, shuffle=shuffle, seed=seed, epoch=epoch, block_window=block_window)
         self.ref = ref
         self.remainder = remainder
-        self.prefetch = _check_int("prefetch", prefetch, 0)
+        self.prefetch = None if prefetch is None else _check_int("prefetch", prefetch, 0)
         self._lock = threading.Lock()
         self._start = self._fresh(probe.shuffle, probe.seed, probe.epoch, probe.block_window)
         self._layout: tuple[int, int] | None = None  # (num_shards, records per shard per step)

@@ -132,7 +132,7 @@ class DatasetRef:
         num_epochs: int | None = 1,
         *,
         block_window: int = DEFAULT_BLOCK_WINDOW,
-        prefetch: int = 2,
+        prefetch: int | None = None,
     ) -> Stream:
         """Return rank ``shard_rank``'s stream of ``num_shards``.
 
@@ -147,7 +147,9 @@ class DatasetRef:
             drop_remainder: give every rank exactly ``N // num_shards`` records.
             num_epochs: epochs to read; ``None`` reads forever.
             block_window: chunks mixed together by ``Shuffle.BLOCK``.
-            prefetch: batches read ahead on a background thread (0: none).
+            prefetch: batches read ahead on a background thread (0: none; default:
+                2 for object stores, none for local memory-mapped reads, where
+                a thread hand-off costs more than the copy it would overlap).
 
         Raises:
             InvalidArgumentError: an argument is out of range.
@@ -174,7 +176,7 @@ class DatasetRef:
         *,
         drop_remainder: bool = False,
         num_epochs: int | None = 1,
-        prefetch: int = 2,
+        prefetch: int | None = None,
     ) -> Stream:
         """Continue from ``state`` as rank ``shard_rank`` of ``num_shards``.
 

@@ -46,6 +46,7 @@ IntArray = npt.NDArray[np.int64]
 # version-1 states named positions of another permutation.
 _STATE_VERSION = 2
 _INTERNAL_BATCH = 256
+_REMOTE_PREFETCH = 2  # batches read ahead by default from object stores
 _ORDER_PIECE = 16384  # positions mapped to records per call of the epoch order
 
 
@@ -159,7 +160,7 @@ class Stream:
         num_epochs: int | None,
         block_window: int,
         first_intervals: tuple[Interval, ...] | None = None,
-        prefetch: int = 2,
+        prefetch: int | None = None,
     ) -> None:
         self.num_shards = _check_int("num_shards", num_shards, 1)
         self.shard_rank = _check_int("shard_rank", shard_rank, 0)
@@ -170,7 +171,7 @@ class Stream:
         self.start_offset = _check_int("start_offset", start_offset, 0)
         self.num_epochs = None if num_epochs is None else _check_int("num_epochs", num_epochs, 0)
         self.block_window = _check_int("block_window", block_window, 1)
-        self.prefetch = _check_int("prefetch", prefetch, 0)
+        self.prefetch = None if prefetch is None else _check_int("prefetch", prefetch, 0)
         if not isinstance(shuffle, Shuffle):
             raise InvalidArgumentError(f"shuffle must be a Shuffle, got {shuffle!r}")
         self.shuffle = shuffle
@@ -285,7 +286,10 @@ class Stream:
         plan = getattr(source, "plan", None)  # sources that look ahead (remote reads)
         if plan is not None:
             indices = plan(indices)
-        if self.prefetch == 0:
+        depth = self.prefetch
+        if depth is None:  # remote reads wait on the network; local ones only copy
+            depth = _REMOTE_PREFETCH if plan is not None else 0
+        if depth == 0:
             for records in indices:
                 yield records, source.gather(records)
             return
@@ -293,7 +297,7 @@ class Stream:
             window: list[tuple[IntArray, concurrent.futures.Future[Any]]] = []
             for records in indices:
                 window.append((records, pool.submit(source.gather, records)))
-                if len(window) > self.prefetch:
+                if len(window) > depth:
                     records0, fut = window.pop(0)
                     yield records0, fut.result()
             for records0, fut in window:

@@ -43,8 +43,33 @@ __all__ = [
 
 _FIRST_PASS_BATCH = 512
 _UNBATCH_INTERNAL = 256
-_GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, at most
+_GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, about
 _MAX_GROUP = 64  # batches per Python call, at most
+_PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
+_MAX_PREFETCH = 8
+
+
+def _finish(ds: tf.data.Dataset, element_bytes: int) -> tf.data.Dataset:
+    """Prefetch a fixed number of elements and switch the tf.data autotuner off.
+
+    On a 2-core machine the autotuner's model thread competes with the
+    generator for CPU and roughly every other epoch ran at 60% of the speed
+    (measured with ``benchmarks/read_throughput.py``); fixed buffers do not. A
+    caller's own ``with_options`` still overrides this.
+    """
+    depth = max(2, min(_MAX_PREFETCH, _PREFETCH_BYTES // max(1, element_bytes)))
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.prefetch(depth).with_options(options)
+
+
+def _row_bytes(schema: Schema) -> int:
+    """Return the bytes of one record's fixed-size parts (64 per string, 0 per unknown dim)."""
+    row = 0
+    for comp in schema.components:
+        itemsize = 64 if comp.dtype == "string" else np.dtype(comp.dtype).itemsize
+        row += itemsize * int(np.prod([d or 0 for d in comp.shape], dtype=np.int64))
+    return row
 
 
 def _is_spec(x: Any) -> bool:
@@ -250,7 +275,7 @@ def to_tf_dataset(
     )
     if unbatch:
         ds = ds.unbatch()
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return _finish(ds, _row_bytes(schema) * (1 if unbatch else size))
 
 
 def _group_factor(stream: Stream, schema: Schema, size: int) -> int:
@@ -261,11 +286,7 @@ def _group_factor(stream: Stream, schema: Schema, size: int) -> int:
     # padding): read it batch by batch.
     if type(stream).column_batches is not Stream.column_batches:
         return 1
-    row = 0
-    for comp in schema.components:
-        itemsize = 64 if comp.dtype == "string" else np.dtype(comp.dtype).itemsize
-        row += itemsize * int(np.prod([d or 0 for d in comp.shape], dtype=np.int64))
-    return max(1, min(_MAX_GROUP, _GROUP_BYTES // max(1, size * row)))
+    return max(1, min(_MAX_GROUP, round(_GROUP_BYTES / max(1, size * _row_bytes(schema)))))
 
 
 def _fixed_dataset(
@@ -275,9 +296,11 @@ def _fixed_dataset(
 
     Each call of ``from_generator`` costs a few hundred microseconds whatever
     its size, so the generator hands over ``[k, batch, ...]`` groups of ``k``
-    consecutive batches and ``unbatch`` splits them in C++. Batches of 8 MiB
-    or more go one per call, as they are. With ``batch_size=None`` it hands
-    over ``[n, ...]`` records and ``unbatch`` yields them one by one.
+    consecutive batches (about 8 MiB) and ``unbatch`` splits them in C++.
+    Batches of more than about 5 MiB go one per call, as they are. The arrays
+    come from the stream's aligned buffer pool, so ``from_generator`` wraps
+    them without a copy. With ``batch_size=None`` it hands over ``[n, ...]``
+    records and ``unbatch`` yields them one by one.
     """
     where = stream.ref.manifest.where
     unbatch = batch_size is None
@@ -307,12 +330,10 @@ def _fixed_dataset(
     # A flat tuple crosses from_generator faster and holds less memory than the
     # nested element (measured with 38 MB batches); the graph map repacks it.
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-    ds = ds.map(
-        lambda *w: schema.pack(list(w)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-    )
+    ds = ds.map(lambda *w: schema.pack(list(w)))  # regroups tensors, no copy: no threads needed
     if not whole or unbatch:
         ds = ds.unbatch()
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return _finish(ds, _row_bytes(schema) * (1 if unbatch else size))
 
 
 def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
@@ -332,4 +353,4 @@ def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return _finish(ds, _row_bytes(schema))
