@@ -253,6 +253,20 @@ def _feature_spec() -> dict[str, Any]:
     }
 
 
+def steady(ds: Any) -> Any:
+    """Return ``ds`` with the tf.data autotuner off, as ``Stream.to_tf_dataset`` sets it.
+
+    TensorFlow's own pipelines get the same options as the stream's, so the
+    comparison is like for like: on 2 cores the autotuner made runs of one
+    pipeline alternate between two speeds; without it (a) is as fast or faster.
+    """
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.with_options(options)
+
+
 def tfrecord_batches(
     path: Path,
     case: Case,
@@ -274,7 +288,7 @@ def tfrecord_batches(
     if shard:
         ds = ds.shard(case.num_shards, case.shard_rank)
     ds = ds.repeat(passes).batch(case.batch_size)
-    return ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    return steady(ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE))
 
 
 def tfrecord_source(path: Path, case: Case) -> Any:
@@ -288,7 +302,9 @@ def tfrecord_source(path: Path, case: Case) -> Any:
         parsed = tf.io.parse_single_example(serialized, spec)
         return {"x": tf.reshape(tf.io.decode_raw(parsed["x"], tf.uint8), shape), "y": parsed["y"]}
 
-    return tf.data.TFRecordDataset(str(path)).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+    return steady(
+        tf.data.TFRecordDataset(str(path)).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+    )
 
 
 def tf_labels(batch: Any) -> np.ndarray:

@@ -34,6 +34,7 @@ from benchmarks._common import (
     plan_passes,
     repeat_runs,
     rss_mib,
+    steady,
     stream_indices,
     tf_labels,
     tfrecord_batches,
@@ -304,7 +305,7 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
         ds = tf.data.Dataset.load(path)
         if shard:
             ds = ds.shard(case.num_shards, case.shard_rank)
-        return ds.repeat(passes).batch(case.batch_size).prefetch(tf.data.AUTOTUNE)
+        return steady(ds.repeat(passes).batch(case.batch_size).prefetch(tf.data.AUTOTUNE))
 
     passes = plan_passes(case, case.records, lambda p: consume(load(False, p), tf_labels))
 
@@ -399,7 +400,9 @@ def build_rows(ctx: Context) -> list[dict[str, Any]]:
             (
                 "g2",
                 "in-memory tensors (from_tensor_slices)",
-                lambda: tf.data.Dataset.from_tensor_slices({"x": ctx.data, "y": ctx.labels}),
+                lambda: steady(
+                    tf.data.Dataset.from_tensor_slices({"x": ctx.data, "y": ctx.labels})
+                ),
             ),
         ]
 
