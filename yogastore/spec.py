@@ -377,6 +377,15 @@ def _flatten_into(node: Any, value: Any, path: str, leaves: list[Any]) -> None:
         _flatten_into(child, v, f"{path}/{i}", leaves)
 
 
+def row_bytes(schema: Schema) -> int:
+    """Return the bytes of one record's known-size parts (64 per string, 0 per unknown dim)."""
+    row = 0
+    for comp in schema.components:
+        itemsize = 64 if comp.dtype == STRING else np.dtype(comp.dtype).itemsize
+        row += itemsize * int(np.prod([d or 0 for d in comp.shape], dtype=np.int64))
+    return row
+
+
 def leaf_paths(structure: Any, count: int) -> list[str]:
     paths = [""] * count
 

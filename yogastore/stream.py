@@ -34,6 +34,7 @@ from yogastore.order import (
     slice_intervals,
     split_intervals,
 )
+from yogastore.spec import row_bytes
 
 if TYPE_CHECKING:
     from yogastore.reader import ChunkSource
@@ -47,6 +48,8 @@ IntArray = npt.NDArray[np.int64]
 _STATE_VERSION = 2
 _INTERNAL_BATCH = 256
 _REMOTE_PREFETCH = 2  # batches read ahead by default from object stores
+_GATHER_BYTES = 1 << 20  # small fixed-shape batches are gathered this many at once
+_MAX_GATHER_GROUP = 64
 _ORDER_PIECE = 16384  # positions mapped to records per call of the epoch order
 
 
@@ -309,17 +312,47 @@ class Stream:
             for i in range(len(cols[0]) if cols else 0):
                 yield schema.pack(element_components(schema, cols, i))
 
+    def group_factor(self, batch_size: int, target_bytes: int, most: int) -> int:
+        """Return how many batches to gather at once: about ``target_bytes``, at most ``most``.
+
+        Only for schemas whose components all have a fixed shape (1 otherwise),
+        and only when ``column_batches`` is this class's own: a subclass may
+        give batches of ``batch_size`` a meaning of their own (steps, padding).
+        """
+        schema = self.ref.schema
+        if not schema.components or not all(c.fixed for c in schema.components):
+            return 1
+        if type(self).column_batches is not Stream.column_batches:
+            return 1
+        size = max(1, batch_size * row_bytes(schema))
+        return max(1, min(most, round(target_bytes / size)))
+
     def batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
         """Yield numpy batches of ``batch_size`` records (the fast path).
 
         Fixed-shape components are stacked arrays ``[B, ...]``; ragged and
         sparse components are ``RaggedValue``/``SparseValue`` with a leading
         batch dimension, as ``tf.data.Dataset.batch`` would make them.
+        Small fixed-shape batches are gathered several at a time (about
+        ``_GATHER_BYTES``) and handed out as views, which spreads the fixed
+        cost of a gather over many batches.
         """
+        batch_size = _check_int("batch_size", batch_size, 1)
         schema = self.ref.schema
         where = self.ref.manifest.where
-        for _records, cols in self.column_batches(batch_size, drop_remainder):
-            yield schema.pack(batch_components(schema, cols, where))
+        k = self.group_factor(batch_size, _GATHER_BYTES, _MAX_GATHER_GROUP)
+        if k == 1:
+            for _records, cols in self.column_batches(batch_size, drop_remainder):
+                yield schema.pack(batch_components(schema, cols, where))
+            return
+        for _records, cols in self.column_batches(batch_size * k):
+            arrays = batch_components(schema, cols, where)
+            n = len(arrays[0])
+            for start in range(0, n, batch_size):
+                stop = min(start + batch_size, n)
+                if drop_remainder and stop - start < batch_size:
+                    return  # only the stream's last batch can be short
+                yield schema.pack([a[start:stop] for a in arrays])
 
     def to_tf_dataset(self, batch_size: int | None = None, drop_remainder: bool = False) -> Any:
         """Return a ``tf.data.Dataset`` of this stream (batched if ``batch_size``).

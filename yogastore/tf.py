@@ -28,6 +28,7 @@ from yogastore.spec import (
     dtype_name,
     flatten_structure,
     leaf_paths,
+    row_bytes,
 )
 
 if TYPE_CHECKING:
@@ -61,15 +62,6 @@ def _finish(ds: tf.data.Dataset, element_bytes: int) -> tf.data.Dataset:
     options = tf.data.Options()
     options.autotune.enabled = False
     return ds.prefetch(depth).with_options(options)
-
-
-def _row_bytes(schema: Schema) -> int:
-    """Return the bytes of one record's fixed-size parts (64 per string, 0 per unknown dim)."""
-    row = 0
-    for comp in schema.components:
-        itemsize = 64 if comp.dtype == "string" else np.dtype(comp.dtype).itemsize
-        row += itemsize * int(np.prod([d or 0 for d in comp.shape], dtype=np.int64))
-    return row
 
 
 def _is_spec(x: Any) -> bool:
@@ -275,18 +267,7 @@ def to_tf_dataset(
     )
     if unbatch:
         ds = ds.unbatch()
-    return _finish(ds, _row_bytes(schema) * (1 if unbatch else size))
-
-
-def _group_factor(stream: Stream, schema: Schema, size: int) -> int:
-    """Return how many batches one Python call hands to ``tf.data`` (about 8 MiB)."""
-    from yogastore.stream import Stream
-
-    # A subclass may give batches of ``size`` a meaning of their own (steps,
-    # padding): read it batch by batch.
-    if type(stream).column_batches is not Stream.column_batches:
-        return 1
-    return max(1, min(_MAX_GROUP, round(_GROUP_BYTES / max(1, size * _row_bytes(schema)))))
+    return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
 
 
 def _fixed_dataset(
@@ -305,7 +286,7 @@ def _fixed_dataset(
     where = stream.ref.manifest.where
     unbatch = batch_size is None
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
-    k = _group_factor(stream, schema, size)
+    k = stream.group_factor(size, _GROUP_BYTES, _MAX_GROUP)
     comps = schema.components
     inner = size if drop_remainder else None
     # With one batch per call (large records) there is no group axis to split.
@@ -333,7 +314,7 @@ def _fixed_dataset(
     ds = ds.map(lambda *w: schema.pack(list(w)))  # regroups tensors, no copy: no threads needed
     if not whole or unbatch:
         ds = ds.unbatch()
-    return _finish(ds, _row_bytes(schema) * (1 if unbatch else size))
+    return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
 
 
 def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
@@ -353,4 +334,4 @@ def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
-    return _finish(ds, _row_bytes(schema))
+    return _finish(ds, row_bytes(schema))

@@ -1,0 +1,68 @@
+"""Small fixed-shape batches are gathered several at a time: same batches as one by one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import yogastore
+from yogastore.stream import Stream
+
+N = 1000
+SPEC = {
+    "x": yogastore.ComponentSpec(shape=(3,), dtype="int32"),
+    "y": yogastore.ComponentSpec(shape=(), dtype="int64"),
+}
+
+
+def _records() -> Iterator[dict[str, np.ndarray]]:
+    for i in range(N):
+        yield {"x": np.array([i, -i, 7], dtype=np.int32), "y": np.int64(i)}
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> yogastore.DatasetRef:
+    store = yogastore.Store(tmp_path_factory.mktemp("groups"), chunk_bytes=4096)
+    return store.cache("small", "1", _records, spec=SPEC)
+
+
+class OneByOne(Stream):
+    """A subclass with its own column_batches: never grouped."""
+
+    def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[object]:
+        yield from super().column_batches(batch_size, drop_remainder)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64, 333])
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_grouped_batches_equal_single_batches(
+    ref: yogastore.DatasetRef, batch_size: int, drop_remainder: bool
+) -> None:
+    stream = ref.stream(1, 3, shuffle=True, seed=5, num_epochs=3, start_offset=11)
+    assert stream.group_factor(batch_size, 1 << 20, 64) > 1, "the case must exercise grouping"
+    grouped = list(stream.batches(batch_size, drop_remainder))
+    single = ref.stream(1, 3, shuffle=True, seed=5, num_epochs=3, start_offset=11)
+    single.__class__ = OneByOne
+    assert single.group_factor(batch_size, 1 << 20, 64) == 1
+    plain = list(single.batches(batch_size, drop_remainder))
+    assert [len(b["y"]) for b in grouped] == [len(b["y"]) for b in plain]
+    for g, p in zip(grouped, plain, strict=True):
+        np.testing.assert_array_equal(g["y"], p["y"])
+        np.testing.assert_array_equal(g["x"][:, 0], g["y"])  # record contents match labels
+    if drop_remainder:
+        assert all(len(b["y"]) == batch_size for b in grouped)
+    total = sum(len(b["y"]) for b in grouped)
+    expected = len(stream) - (len(stream) % batch_size if drop_remainder else 0)
+    assert total == expected
+
+
+def test_variable_shape_schema_is_not_grouped(tmp_path: Path) -> None:
+    store = yogastore.Store(tmp_path / "s")
+    spec = yogastore.ComponentSpec(shape=(None,), dtype="int64")
+    ref = store.cache("var", "1", lambda: (np.arange(i % 4) for i in range(50)), spec=spec)
+    assert ref.stream().group_factor(1, 1 << 20, 64) == 1
+    sizes = [b.shape for b in ref.stream(shuffle=False).batches(1)]
+    assert sizes == [(1, i % 4) for i in range(50)]
