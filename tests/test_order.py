@@ -84,6 +84,19 @@ def test_feistel_spreads_records_uniformly_over_positions() -> None:
     assert chi2 < 135, f"position/record bins far from uniform: chi2={chi2:.1f}"
 
 
+def test_feistel_picks_every_permutation_of_a_tiny_domain_about_equally() -> None:
+    keys = 12000
+    counts: dict[tuple[int, ...], int] = {}
+    for key in range(keys):
+        perm = tuple(FeistelPermutation(5, key)(np.arange(5)).tolist())
+        counts[perm] = counts.get(perm, 0) + 1
+    assert len(counts) == 120
+    expected = keys / 120
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    # 119 degrees of freedom: the 99.99th percentile is about 185.
+    assert chi2 < 185, f"permutations of 5 records far from uniform: chi2={chi2:.1f}"
+
+
 def test_feistel_orders_of_consecutive_epochs_are_unrelated() -> None:
     n = 5000
     firsts = [GlobalShuffleOrder(n, seed=4, epoch=e).records(np.arange(n)) for e in range(6)]

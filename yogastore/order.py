@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +49,8 @@ Interval = tuple[int, int]
 IntArray = npt.NDArray[np.int64]
 
 _MASK64 = (1 << 64) - 1
-_ROUNDS = 4
+_ROUNDS = 4  # at least
+_ROUND_BITS = 48  # rounds * domain bits, at least
 
 
 class Shuffle(enum.Enum):
@@ -93,27 +95,40 @@ class FeistelPermutation:
         bits = max(2, (max(n, 1) - 1).bit_length())
         self._high = bits // 2  # bits of the left half at the start
         self._low = bits - self._high
-        self._keys = [np.uint64(_derive_key(key, i)) for i in range(_ROUNDS)]
+        # Domains up to 2**32 are evaluated in 32-bit words (twice the numpy
+        # throughput), larger ones in 64-bit words.
+        wide = bits > 32
+        self._dtype = np.dtype(np.uint64 if wide else np.uint32)
+        self._word = 64 if wide else 32
+        self._mul1 = self._dtype.type(0x9E3779B97F4A7C15 if wide else 0x9E3779B1)
+        self._mul2 = self._dtype.type(0xBF58476D1CE4E5B9 if wide else 0x85EBCA6B)
+        word_mask = (1 << self._word) - 1
+        # Small domains need more rounds before the permutations a key picks
+        # look uniform (halves of a few bits mix little per round).
+        rounds = max(_ROUNDS, -(-_ROUND_BITS // bits))
+        self._keys = [self._dtype.type(_derive_key(key, i) & word_mask) for i in range(rounds)]
 
-    def _encrypt(self, values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    def _encrypt(self, values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        t = self._dtype.type
         left_bits, right_bits = self._high, self._low
-        left = values >> np.uint64(right_bits)
-        right = values & np.uint64((1 << right_bits) - 1)
+        left = values >> t(right_bits)
+        right = values & t((1 << right_bits) - 1)
         tmp = np.empty_like(values)
         mix = np.empty_like(values)
+        half = t(self._word // 2)
         for key in self._keys:
-            # Round function: a keyed 64-bit multiply-xorshift hash of the
-            # right half; its top ``left_bits`` bits are xored into the left.
-            np.multiply(right, np.uint64(0x9E3779B97F4A7C15), out=tmp)
+            # Round function: a keyed multiply-xorshift hash of the right
+            # half; its top ``left_bits`` bits are xored into the left.
+            np.multiply(right, self._mul1, out=tmp)
             tmp ^= key
-            np.right_shift(tmp, np.uint64(32), out=mix)
+            np.right_shift(tmp, half, out=mix)
             tmp ^= mix
-            tmp *= np.uint64(0xBF58476D1CE4E5B9)
-            np.right_shift(tmp, np.uint64(64 - left_bits), out=tmp)
+            tmp *= self._mul2
+            np.right_shift(tmp, t(self._word - left_bits), out=tmp)
             left ^= tmp
             left, right = right, left
             left_bits, right_bits = right_bits, left_bits
-        left <<= np.uint64(right_bits)
+        left <<= t(right_bits)
         left |= right
         return left
 
@@ -122,13 +137,13 @@ class FeistelPermutation:
         x = np.asarray(values, dtype=np.int64)
         if self.n <= 1:
             return x.copy()
-        out = self._encrypt(x.astype(np.uint64))
-        limit = np.uint64(self.n)
+        out = self._encrypt(x.astype(self._dtype))
+        limit = self._dtype.type(self.n)
         outside = np.flatnonzero(out >= limit)
         while outside.size:
             out[outside] = self._encrypt(out[outside])
             outside = outside[out[outside] >= limit]
-        return out.view(np.int64)
+        return out.astype(np.int64)
 
 
 class EpochOrder:

@@ -20,7 +20,7 @@ from storage_backends.errors import CorruptCacheError, KeyNotFoundError
 from yogastore.format import ChunkView, ColumnBatch, FixedRows, gather
 from yogastore.manifest import Manifest, checksum
 
-__all__ = ["ChunkSource", "LocalChunkSource", "ReadStats", "locate"]
+__all__ = ["ChunkSource", "LocalChunkSource", "ReadStats", "locate", "uniform_chunk_size"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -59,10 +59,27 @@ class ChunkSource(Protocol):
     def close(self) -> None: ...
 
 
-def locate(manifest: Manifest, starts: IntArray, records: IntArray) -> tuple[IntArray, IntArray]:
-    """Return (chunk index, index within chunk) for each record."""
+def uniform_chunk_size(manifest: Manifest) -> int | None:
+    """Return the record count of every chunk but the last, if they all hold the same."""
+    counts = [c.count for c in manifest.chunks]
+    if not counts or counts[0] < 1 or any(c != counts[0] for c in counts[:-1]):
+        return None
+    return counts[0] if counts[-1] <= counts[0] else None
+
+
+def locate(
+    manifest: Manifest, starts: IntArray, records: IntArray, uniform: int | None = None
+) -> tuple[IntArray, IntArray]:
+    """Return (chunk index, index within chunk) for each record.
+
+    ``uniform`` (from ``uniform_chunk_size``) replaces the binary search by a
+    division.
+    """
     if records.size and (records.min() < 0 or records.max() >= manifest.num_records):
         raise CorruptCacheError(f"{manifest.where}: record index out of range")
+    if uniform is not None:
+        which, local = np.divmod(records, uniform)
+        return which, local
     which = np.searchsorted(starts, records, side="right") - 1
     return which.astype(np.int64), records - starts[which]
 
@@ -98,6 +115,7 @@ class LocalChunkSource:
         self.stats = ReadStats()
         self._columns = manifest.columns()
         self._starts = manifest.chunk_starts()
+        self._uniform = uniform_chunk_size(manifest)
         self._views: dict[int, ChunkView] = {}
         self._lock = threading.Lock()
         # Fixed-shape columns gather across chunks with one fancy index each.
@@ -138,7 +156,7 @@ class LocalChunkSource:
         return view
 
     def gather(self, records: IntArray) -> list[ColumnBatch]:
-        which, local = locate(self.manifest, self._starts, records)
+        which, local = locate(self.manifest, self._starts, records, self._uniform)
         if not self._all_loaded:
             for c in np.unique(which[~self._loaded[which]]):
                 self.view(int(c))
