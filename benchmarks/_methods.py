@@ -379,8 +379,15 @@ def snapshot_rows(ctx: Context) -> list[dict[str, Any]]:
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float], Any]:
+    """Median seconds of ``repeats`` calls, each started with no dirty pages pending.
+
+    ``os.sync()`` before every run keeps one run's writes (and the previous
+    method's) from being flushed during the next one, for builds and plain
+    iterations alike.
+    """
     seconds, result = [], None
     for _ in range(repeats):
+        os.sync()
         start = time.perf_counter()
         result = fn()
         seconds.append(time.perf_counter() - start)
@@ -415,15 +422,16 @@ def build_rows(ctx: Context) -> list[dict[str, Any]]:
                 tally.add(batch["y"])
             return tally
 
-        def build(make: Callable[[], Any] = make) -> int:
-            name = f"build-{next(counter)}"
-            ref = ctx.store.cache(name, "1", make)
-            count = int(ref.num_records)
-            ctx.store.delete(name, "1")
-            return count
+        names: list[str] = []
+
+        def build(make: Callable[[], Any] = make, names: list[str] = names) -> int:
+            names.append(f"build-{next(counter)}")
+            return int(ctx.store.cache(names[-1], "1", make).num_records)
 
         it_s, it_all, tally = _timed(iterate, case.repeats)
         build_s, build_all, built = _timed(build, case.repeats)
+        for name in names:  # deleted after timing: deleting files costs the file system too
+            ctx.store.delete(name, "1")
         ok = tally.records == case.records and built == case.records
         rows.append(
             _row(

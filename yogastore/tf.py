@@ -42,7 +42,8 @@ __all__ = [
     "to_tf_dataset",
 ]
 
-_FIRST_PASS_BATCH = 512
+_FIRST_PASS_BATCH = 512  # records, at most
+_FIRST_PASS_BYTES = 8 << 20
 _UNBATCH_INTERNAL = 256
 _GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, about
 _MAX_GROUP = 64  # batches per Python call, at most
@@ -163,7 +164,10 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
     from yogastore.writer import component_columns
 
     if all(c.fixed for c in schema.components):
-        batched = ds.batch(_FIRST_PASS_BATCH).prefetch(2)
+        # About _FIRST_PASS_BYTES per batch: large records in small batches keep
+        # every buffer below the size at which malloc maps fresh memory each time.
+        size = max(1, min(_FIRST_PASS_BATCH, _FIRST_PASS_BYTES // max(1, row_bytes(schema))))
+        batched = ds.batch(size).prefetch(2)
         for batch in batched.as_numpy_iterator():
             yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
         return
