@@ -333,14 +333,16 @@ class Stream:
         Fixed-shape components are stacked arrays ``[B, ...]``; ragged and
         sparse components are ``RaggedValue``/``SparseValue`` with a leading
         batch dimension, as ``tf.data.Dataset.batch`` would make them.
-        Small fixed-shape batches are gathered several at a time (about
-        ``_GATHER_BYTES``) and handed out as views, which spreads the fixed
-        cost of a gather over many batches.
+        From local stores, small fixed-shape batches are gathered several at a
+        time (about ``_GATHER_BYTES``) and handed out as views, which spreads
+        the fixed cost of a gather over many batches.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
         schema = self.ref.schema
         where = self.ref.manifest.where
         k = self.group_factor(batch_size, _GATHER_BYTES, _MAX_GATHER_GROUP)
+        if getattr(self.source, "plan", None) is not None:
+            k = 1  # remote reads plan and cache per batch; they read ahead already
         if k == 1:
             for _records, cols in self.column_batches(batch_size, drop_remainder):
                 yield schema.pack(batch_components(schema, cols, where))
