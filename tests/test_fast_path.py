@@ -306,3 +306,21 @@ def test_prefetch_defaults_to_none_and_does_not_change_records(
     assert reads[None] == reads[0] == reads[2]
     with pytest.raises(yogastore.InvalidArgumentError, match="prefetch"):
         ref.stream(prefetch=-1)
+
+
+def test_flat_dict_schema_packs_like_the_general_nest_walk() -> None:
+    from yogastore.spec import Schema, pack_structure
+
+    leaf = yogastore.ComponentSpec(shape=(), dtype="int64")
+    flat = Schema.from_specs({"b": leaf, "a": leaf, "c": leaf})
+    nested = Schema.from_specs({"a": leaf, "n": (leaf, {"x": leaf})})
+    assert flat._flat_dict is not None and nested._flat_dict is None
+    for schema in (flat, nested):
+        leaves = [10, 20, 30, 40][: len(schema.components)]
+        packed = schema.pack(leaves)
+        assert packed == pack_structure(schema.structure, leaves)
+        assert list(packed) == schema.structure["keys"]  # key order kept
+        assert schema.flatten(packed) == leaves
+    # A schema read back from its JSON gets the same fast path.
+    again = Schema.from_json(flat.to_json(), "test")
+    assert again == flat and again._flat_dict == flat._flat_dict

@@ -1,9 +1,13 @@
-/* Row gather for fixed-shape columns: one call per batch, no Python per row.
+/* Compiled inner loops of the read path: one call per batch, no Python per row.
  *
  * gather_rows(dst, src, starts, row_bytes) copies, for every i, the bytes
  * src[starts[i] : starts[i] + row_bytes] to dst[i * row_bytes : (i + 1) * row_bytes].
  * Every start is checked against src before anything is copied; the copy runs
  * without the GIL. All three buffers must be contiguous; starts holds int64.
+ *
+ * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
+ * permutation of yogastore.order.FeistelPermutation (same rounds, same words,
+ * same cycle walking) on int64 values in [0, n), writing int64 images to out.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,16 +68,173 @@ done:
     return result;
 }
 
+/* Keyed Feistel encryption of a block of values, in place; T is uint32_t or
+ * uint64_t (the word). Rounds run outside the loop over values, so the loop
+ * body has no dependence between values and the compiler vectorizes it. */
+#define BLOCK 256
+#define FEISTEL_ENCRYPT(T, WORD, MUL1, MUL2)                                         \
+    static void encrypt_##WORD(T *v, Py_ssize_t len, const T *keys, Py_ssize_t rounds, \
+                               int high, int low) {                                  \
+        T a[BLOCK], b[BLOCK];                                                        \
+        T *left = a, *right = b;                                                     \
+        int left_bits = high, right_bits = low;                                      \
+        const T mask = ((T)1 << right_bits) - 1;                                     \
+        for (Py_ssize_t i = 0; i < len; i++) {                                       \
+            left[i] = v[i] >> right_bits;                                            \
+            right[i] = v[i] & mask;                                                  \
+        }                                                                            \
+        for (Py_ssize_t r = 0; r < rounds; r++) {                                    \
+            const T key = keys[r];                                                   \
+            const int shift = WORD - left_bits;                                      \
+            for (Py_ssize_t i = 0; i < len; i++) {                                   \
+                T tmp = (T)(right[i] * (T)(MUL1)) ^ key;                             \
+                tmp ^= tmp >> (WORD / 2);                                            \
+                tmp = (T)(tmp * (T)(MUL2));                                          \
+                left[i] ^= tmp >> shift;                                             \
+            }                                                                        \
+            T *swap = left;                                                          \
+            left = right;                                                            \
+            right = swap;                                                            \
+            int bits = left_bits;                                                    \
+            left_bits = right_bits;                                                  \
+            right_bits = bits;                                                       \
+        }                                                                            \
+        for (Py_ssize_t i = 0; i < len; i++) {                                       \
+            v[i] = (T)(left[i] << right_bits) | right[i];                            \
+        }                                                                            \
+    }
+
+FEISTEL_ENCRYPT(uint32_t, 32, 0x9E3779B1u, 0x85EBCA6Bu)
+FEISTEL_ENCRYPT(uint64_t, 64, 0x9E3779B97F4A7C15ull, 0xBF58476D1CE4E5B9ull)
+
+/* Encrypt every value once, then walk the cycles of those still outside
+ * [0, n), a block at a time: gather them, encrypt, scatter back. */
+#define PERMUTE(T, WORD, KEYS)                                                       \
+    do {                                                                             \
+        T buf[BLOCK];                                                                \
+        for (Py_ssize_t start = 0; start < count; start += BLOCK) {                  \
+            Py_ssize_t len = count - start < BLOCK ? count - start : BLOCK;          \
+            for (Py_ssize_t i = 0; i < len; i++) {                                   \
+                int64_t v;                                                           \
+                memcpy(&v, in + start + i, sizeof v);                                \
+                buf[i] = (T)v;                                                       \
+            }                                                                        \
+            encrypt_##WORD(buf, len, KEYS, rounds, high, low);                       \
+            for (Py_ssize_t i = 0; i < len; i++) {                                   \
+                dst[start + i] = (int64_t)buf[i];                                    \
+            }                                                                        \
+        }                                                                            \
+        Py_ssize_t left = count;                                                     \
+        Py_ssize_t *todo = NULL;                                                     \
+        for (;;) {                                                                   \
+            Py_ssize_t m = 0;                                                        \
+            for (Py_ssize_t j = 0; j < left; j++) {                                  \
+                Py_ssize_t i = todo ? todo[j] : j;                                   \
+                pending[m] = i;                                                      \
+                m += dst[i] >= n;                                                    \
+            }                                                                        \
+            if (m == 0) {                                                            \
+                break;                                                               \
+            }                                                                        \
+            for (Py_ssize_t start = 0; start < m; start += BLOCK) {                  \
+                Py_ssize_t len = m - start < BLOCK ? m - start : BLOCK;              \
+                for (Py_ssize_t j = 0; j < len; j++) {                               \
+                    buf[j] = (T)dst[pending[start + j]];                             \
+                }                                                                    \
+                encrypt_##WORD(buf, len, KEYS, rounds, high, low);                   \
+                for (Py_ssize_t j = 0; j < len; j++) {                               \
+                    dst[pending[start + j]] = (int64_t)buf[j];                       \
+                }                                                                    \
+            }                                                                        \
+            todo = pending;                                                          \
+            left = m;                                                                \
+        }                                                                            \
+    } while (0)
+
+static PyObject *feistel(PyObject *module, PyObject *args) {
+    Py_buffer out, values, keys;
+    int high, low, wide;
+    long long n;
+    PyObject *result = NULL;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "w*y*y*iipL", &out, &values, &keys, &high, &low, &wide, &n)) {
+        return NULL;
+    }
+    int word = wide ? 64 : 32;
+    if (high < 1 || low < 1 || high + low > word || high + low > 63 || n < 1 ||
+        (high + low < 63 && n > (1LL << (high + low)))) {
+        PyErr_Format(PyExc_ValueError, "bad permutation parameters: bits %d+%d, word %d, n %lld",
+                     high, low, word, n);
+        goto done;
+    }
+    if (values.len % 8 != 0 || out.len != values.len || keys.len % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "values and out must be int64 buffers of equal size, keys uint64");
+        goto done;
+    }
+    Py_ssize_t count = values.len / 8, rounds = keys.len / 8;
+    if (rounds < 1 || rounds > 64) {
+        PyErr_Format(PyExc_ValueError, "between 1 and 64 round keys needed, got %zd", rounds);
+        goto done;
+    }
+    const int64_t *in = (const int64_t *)values.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t v;
+        memcpy(&v, in + i, sizeof v);
+        if (v < 0 || v >= n) {
+            PyErr_Format(PyExc_ValueError, "value %lld at %zd is outside [0, %lld)",
+                         (long long)v, i, n);
+            goto done;
+        }
+    }
+    {
+        int64_t *dst = (int64_t *)out.buf;
+        const unsigned char *kbytes = (const unsigned char *)keys.buf;
+        Py_ssize_t *pending = PyMem_RawMalloc((size_t)(count ? count : 1) * sizeof(Py_ssize_t));
+        if (pending == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        if (wide) {
+            uint64_t k64[64];
+            memcpy(k64, kbytes, (size_t)rounds * 8);
+            PERMUTE(uint64_t, 64, k64);
+        } else {
+            uint32_t k32[64];
+            for (Py_ssize_t r = 0; r < rounds; r++) {
+                uint64_t k;
+                memcpy(&k, kbytes + 8 * r, sizeof k);
+                k32[r] = (uint32_t)k;
+            }
+            PERMUTE(uint32_t, 32, k32);
+        }
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(pending);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&keys);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", gather_rows, METH_VARARGS,
      "gather_rows(dst, src, starts, row_bytes): copy rows src[starts[i]:+row_bytes] "
      "into dst, in order. Bounds are checked first; the copy releases the GIL."},
+    {"feistel", feistel, METH_VARARGS,
+     "feistel(out, values, keys, high_bits, low_bits, wide, n): keyed permutation of "
+     "int64 values in [0, n) into out (see yogastore.order.FeistelPermutation)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "yogastore._gather",
-    "Row gather for fixed-shape columns (see yogastore.format.FixedRows).", -1, methods,
+    "Compiled loops of the read path: row gather (yogastore.format.FixedRows) and "
+    "the shuffled order (yogastore.order.FeistelPermutation).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module_def); }

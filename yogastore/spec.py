@@ -313,6 +313,19 @@ class Schema:
     structure: Any
     components: tuple[ComponentSpec, ...]
     paths: tuple[str, ...]
+    # (key, leaf index) pairs when the nest is one dict of leaves (the common
+    # case), which ``pack`` then builds without walking the structure.
+    _flat_dict: tuple[tuple[Any, int], ...] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        s = self.structure
+        if isinstance(s, dict) and s.get("type") == "dict":
+            items = s.get("items", [])
+            if all(isinstance(v, dict) and v.get("type") == "leaf" for v in items):
+                pairs = tuple((k, int(v["index"])) for k, v in zip(s["keys"], items, strict=True))
+                object.__setattr__(self, "_flat_dict", pairs)
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-compatible dict."""
@@ -351,6 +364,8 @@ class Schema:
 
     def pack(self, leaves: Sequence[Any]) -> Any:
         """Rebuild one element (or batch) from its flat components."""
+        if self._flat_dict is not None:
+            return {key: leaves[i] for key, i in self._flat_dict}
         return pack_structure(self.structure, leaves)
 
     def flatten(self, element: Any) -> list[Any]:

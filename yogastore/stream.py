@@ -48,7 +48,7 @@ IntArray = npt.NDArray[np.int64]
 _STATE_VERSION = 2
 _INTERNAL_BATCH = 256
 _REMOTE_PREFETCH = 2  # batches read ahead by default from object stores
-_GATHER_BYTES = 1 << 20  # small fixed-shape batches are gathered this many at once
+_GATHER_BYTES = 2 << 20  # small fixed-shape batches are gathered this many at once
 _MAX_GATHER_GROUP = 64
 _ORDER_PIECE = 16384  # positions mapped to records per call of the epoch order
 
@@ -343,18 +343,28 @@ class Stream:
         k = self.group_factor(batch_size, _GATHER_BYTES, _MAX_GATHER_GROUP)
         if getattr(self.source, "plan", None) is not None:
             k = 1  # remote reads plan and cache per batch; they read ahead already
+        # References to a batch are dropped before the next gather, so a
+        # consumer that does not keep batches gets the same (cache-warm)
+        # pooled buffer back every time.
         if k == 1:
             for _records, cols in self.column_batches(batch_size, drop_remainder):
-                yield schema.pack(batch_components(schema, cols, where))
+                batch = schema.pack(batch_components(schema, cols, where))
+                del cols
+                yield batch
+                del batch
             return
         for _records, cols in self.column_batches(batch_size * k):
             arrays = batch_components(schema, cols, where)
+            del cols
             n = len(arrays[0])
             for start in range(0, n, batch_size):
                 stop = min(start + batch_size, n)
                 if drop_remainder and stop - start < batch_size:
                     return  # only the stream's last batch can be short
-                yield schema.pack([a[start:stop] for a in arrays])
+                batch = schema.pack([a[start:stop] for a in arrays])
+                yield batch
+                del batch
+            del arrays
 
     def to_tf_dataset(self, batch_size: int | None = None, drop_remainder: bool = False) -> Any:
         """Return a ``tf.data.Dataset`` of this stream (batched if ``batch_size``).
