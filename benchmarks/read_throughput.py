@@ -16,7 +16,9 @@ In one run, on the same records (random bytes plus an int64 label), per case:
 (e) TensorFlow's ``Dataset.save`` + ``Dataset.load``, and ``shard(4, 0)`` of the
     snapshot and of the TFRecord file, with the bytes each rank reads;
 (f) YogaDL 0.1.4 in its own virtual environment, same shuffle and shard;
-(g) cache build time against merely iterating the same source dataset.
+(g) cache build time against merely iterating the same source dataset, and
+    (g3) writing the same number of bytes to a plain file with fsync (what any
+    build pays for its output on this disk).
 
 Cases: ``main`` (``--records`` x ``--record-bytes``), ``small`` (100-byte records)
 and ``large`` (224x224x3 uint8 images, 150 KB). Every method is checked against the

@@ -54,7 +54,7 @@ def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
     assert [c["case"]["name"] for c in doc["cases"]] == ["main", "small", "large"]
     for case in doc["cases"]:
         keys = [r["key"] for r in case["rows"]]
-        assert keys == ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2"], keys
+        assert keys == ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2", "g3"], keys
         assert [t["target"] for t in case["targets"]] == [
             "(b) tf.data / (a) TFRecordDataset",
             "(c) batches / (d) numpy gather",
@@ -107,6 +107,9 @@ def test_stream_tf_row_has_peak_rss_and_build_rows_counted(tiny_run: tuple[dict,
         for key in ("g", "g2"):
             assert rows[key]["verified"]["records"] == case["case"]["records"]
             assert rows[key]["build_seconds"] > 0 and rows[key]["iterate_seconds"] > 0
+        floor = rows["g3"]  # the same number of bytes as the cache, written and synced
+        assert floor["runs_ok"] and floor["write_seconds"] > 0
+        assert floor["bytes_written"] == floor["verified"]["expected_bytes"] > 0
         ratio = next(t for t in case["targets"] if t["target"].startswith("(g)"))
         assert ratio["value"] == pytest.approx(
             rows["g"]["build_seconds"] / rows["g"]["iterate_seconds"]
@@ -141,3 +144,18 @@ def test_missing_yogadl_is_reported_with_its_reason(tmp_path: Path) -> None:
         }
     )
     assert "not measured: " in table and "NOT MET" in table
+
+
+def test_profile_build_reports_a_real_build(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import profile_build
+
+    profile_build.main(["--records", "40", "--shape", "16,3", "--work-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    # 40 records of 48 bytes + an 8-byte label, plus chunk headers: a real cache was written.
+    size = int(out.split(" bytes) cached")[0].rsplit("(", 1)[1])
+    assert 40 * 56 <= size < 100_000
+    assert "40 records of (16, 3) uint8" in out
+    assert "iterate " in out and "build " in out and "tottime" in out
+    assert list(tmp_path.iterdir()) == []  # the store is deleted afterwards
