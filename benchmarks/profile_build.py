@@ -67,9 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         profile.disable()
         build_s = time.perf_counter() - start
         size = ref.manifest.nbytes
-    print(
-        f"{args.records} records of {shape} uint8 + int64 label, {size / 1e6:.1f} MB ({size} bytes) cached"
-    )
+    described = f"{args.records} records of {shape} uint8 + int64 label"
+    print(f"{described}, {size / 1e6:.1f} MB ({size} bytes) cached")
     print(f"iterate {iterate_s:.2f}s (median of 3), build {build_s:.2f}s (profiled)")
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
 
