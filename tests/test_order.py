@@ -6,6 +6,7 @@ import itertools
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -426,3 +427,44 @@ def test_feistel_refuses_inputs_outside_its_domain(bad: int) -> None:
     for evaluate in (perm, perm.reference):
         with pytest.raises(ValueError, match=r"\[0, 1000\)"):
             evaluate(np.array([0, bad]))
+
+
+def test_feistel_keeps_the_shape_of_its_input() -> None:
+    perm = FeistelPermutation(1000, 3)
+    grid = np.arange(600).reshape(20, 30)
+    for evaluate in (perm, perm.reference):
+        assert evaluate(grid).shape == (20, 30)
+        np.testing.assert_array_equal(evaluate(grid).reshape(-1), perm.reference(np.arange(600)))
+        assert evaluate(5).shape == () and int(evaluate(5)) == int(perm.reference([5])[0])
+
+
+@pytest.mark.skipif(_gather is None, reason="compiled extension not built")
+def test_compiled_feistel_refuses_parameters_that_do_not_come_from_its_size() -> None:
+    perm = FeistelPermutation(1000, 3)  # 10 bits: halves of 5 and 5, 32-bit words
+    keys, x = perm._key_words, np.arange(8)
+
+    def call(high: int, low: int, wide: bool, n: int, out: Any = None) -> None:
+        _gather.feistel(np.empty(8, np.int64) if out is None else out, x, keys, high, low, wide, n)
+
+    call(5, 5, False, 1000)  # the parameters FeistelPermutation derives
+    for bad in [
+        (31, 32, True, 2),  # n far below 2**(bits - 1): the walk would take ~2**61 rounds
+        (5, 5, True, 1000),  # 64-bit words for a 10-bit domain
+        (4, 6, False, 1000),  # halves that are not bits // 2 and the rest
+        (2**31 - 1, 1, False, 1000),  # would overflow their sum
+        (5, 5, False, 1025),  # more than the domain holds
+    ]:
+        with pytest.raises(ValueError, match="bad permutation parameters"):
+            call(*bad)
+    shared = np.zeros(9, np.int64)
+    shared[:8] = x
+    with pytest.raises(ValueError, match="overlaps"):
+        _gather.feistel(shared[1:], shared[:-1], keys, 5, 5, False, 1000)
+    inplace = x.copy()
+    _gather.feistel(inplace, inplace, keys, 5, 5, False, 1000)  # exactly in place is fine
+    np.testing.assert_array_equal(inplace, perm.reference(x))
+
+
+def test_feistel_size_must_fit_int64() -> None:
+    with pytest.raises(ValueError, match=r"2\*\*63"):
+        FeistelPermutation(2**63, 1)

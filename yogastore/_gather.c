@@ -107,47 +107,51 @@ done:
 FEISTEL_ENCRYPT(uint32_t, 32, 0x9E3779B1u, 0x85EBCA6Bu)
 FEISTEL_ENCRYPT(uint64_t, 64, 0x9E3779B97F4A7C15ull, 0xBF58476D1CE4E5B9ull)
 
-/* Encrypt every value once, then walk the cycles of those still outside
- * [0, n), a block at a time: gather them, encrypt, scatter back. */
+/* Per block of BLOCK values: read each input exactly once (range-checked on
+ * that read), encrypt, walk the cycles of the ones still outside [0, n) on the
+ * local copy, then store. out is never read, so neither a concurrent writer
+ * of values/out nor an unaligned out can break termination or alignment. */
 #define PERMUTE(T, WORD, KEYS)                                                       \
     do {                                                                             \
-        T buf[BLOCK];                                                                \
-        for (Py_ssize_t start = 0; start < count; start += BLOCK) {                  \
-            Py_ssize_t len = count - start < BLOCK ? count - start : BLOCK;          \
-            for (Py_ssize_t i = 0; i < len; i++) {                                   \
+        T buf[BLOCK], walk[BLOCK];                                                   \
+        int pend[BLOCK];                                                             \
+        for (Py_ssize_t start = 0; start < count && bad < 0; start += BLOCK) {       \
+            int len = (int)(count - start < BLOCK ? count - start : BLOCK);          \
+            for (int i = 0; i < len; i++) {                                          \
                 int64_t v;                                                           \
                 memcpy(&v, in + start + i, sizeof v);                                \
+                if (v < 0 || v >= n) {                                               \
+                    bad = start + i;                                                 \
+                    bad_value = v;                                                   \
+                    break;                                                           \
+                }                                                                    \
                 buf[i] = (T)v;                                                       \
             }                                                                        \
-            encrypt_##WORD(buf, len, KEYS, rounds, high, low);                       \
-            for (Py_ssize_t i = 0; i < len; i++) {                                   \
-                dst[start + i] = (int64_t)buf[i];                                    \
-            }                                                                        \
-        }                                                                            \
-        Py_ssize_t left = count;                                                     \
-        Py_ssize_t *todo = NULL;                                                     \
-        for (;;) {                                                                   \
-            Py_ssize_t m = 0;                                                        \
-            for (Py_ssize_t j = 0; j < left; j++) {                                  \
-                Py_ssize_t i = todo ? todo[j] : j;                                   \
-                pending[m] = i;                                                      \
-                m += dst[i] >= n;                                                    \
-            }                                                                        \
-            if (m == 0) {                                                            \
+            if (bad >= 0) {                                                          \
                 break;                                                               \
             }                                                                        \
-            for (Py_ssize_t start = 0; start < m; start += BLOCK) {                  \
-                Py_ssize_t len = m - start < BLOCK ? m - start : BLOCK;              \
-                for (Py_ssize_t j = 0; j < len; j++) {                               \
-                    buf[j] = (T)dst[pending[start + j]];                             \
+            encrypt_##WORD(buf, len, KEYS, rounds, high, low);                       \
+            for (;;) {                                                               \
+                int m = 0;                                                           \
+                for (int i = 0; i < len; i++) {                                      \
+                    pend[m] = i;                                                     \
+                    m += (uint64_t)buf[i] >= limit;                                  \
                 }                                                                    \
-                encrypt_##WORD(buf, len, KEYS, rounds, high, low);                   \
-                for (Py_ssize_t j = 0; j < len; j++) {                               \
-                    dst[pending[start + j]] = (int64_t)buf[j];                       \
+                if (m == 0) {                                                        \
+                    break;                                                           \
+                }                                                                    \
+                for (int j = 0; j < m; j++) {                                        \
+                    walk[j] = buf[pend[j]];                                          \
+                }                                                                    \
+                encrypt_##WORD(walk, m, KEYS, rounds, high, low);                    \
+                for (int j = 0; j < m; j++) {                                        \
+                    buf[pend[j]] = walk[j];                                          \
                 }                                                                    \
             }                                                                        \
-            todo = pending;                                                          \
-            left = m;                                                                \
+            for (int i = 0; i < len; i++) {                                          \
+                int64_t v = (int64_t)buf[i];                                         \
+                memcpy(dst + 8 * (start + i), &v, sizeof v);                         \
+            }                                                                        \
         }                                                                            \
     } while (0)
 
@@ -161,11 +165,13 @@ static PyObject *feistel(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "w*y*y*iipL", &out, &values, &keys, &high, &low, &wide, &n)) {
         return NULL;
     }
-    int word = wide ? 64 : 32;
-    if (high < 1 || low < 1 || high + low > word || high + low > 63 || n < 1 ||
-        (high + low < 63 && n > (1LL << (high + low)))) {
-        PyErr_Format(PyExc_ValueError, "bad permutation parameters: bits %d+%d, word %d, n %lld",
-                     high, low, word, n);
+    /* No sum before both are bounded (signed overflow); the parameters must be
+     * the ones FeistelPermutation derives from n, else the walk may not end. */
+    int bits = (high >= 1 && low >= 1 && high <= 32 && low <= 32) ? high + low : 0;
+    if (bits < 2 || bits > 63 || (bits > 32) != (wide != 0) || high != bits / 2 || n < 2 ||
+        (bits < 63 && n > (1LL << bits)) || (bits > 2 && n <= (1LL << (bits - 1)))) {
+        PyErr_Format(PyExc_ValueError, "bad permutation parameters: bits %d+%d, wide %d, n %lld",
+                     high, low, wide, n);
         goto done;
     }
     if (values.len % 8 != 0 || out.len != values.len || keys.len % 8 != 0) {
@@ -173,29 +179,25 @@ static PyObject *feistel(PyObject *module, PyObject *args) {
                         "values and out must be int64 buffers of equal size, keys uint64");
         goto done;
     }
+    {
+        const char *o = out.buf, *v = values.buf;
+        if (o != v && o < v + values.len && v < o + out.len) {
+            PyErr_SetString(PyExc_ValueError, "out overlaps values (only out is values is allowed)");
+            goto done;
+        }
+    }
     Py_ssize_t count = values.len / 8, rounds = keys.len / 8;
     if (rounds < 1 || rounds > 64) {
         PyErr_Format(PyExc_ValueError, "between 1 and 64 round keys needed, got %zd", rounds);
         goto done;
     }
-    const int64_t *in = (const int64_t *)values.buf;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        int64_t v;
-        memcpy(&v, in + i, sizeof v);
-        if (v < 0 || v >= n) {
-            PyErr_Format(PyExc_ValueError, "value %lld at %zd is outside [0, %lld)",
-                         (long long)v, i, n);
-            goto done;
-        }
-    }
     {
-        int64_t *dst = (int64_t *)out.buf;
+        const int64_t *in = (const int64_t *)values.buf; /* read with memcpy only */
+        unsigned char *dst = (unsigned char *)out.buf;
         const unsigned char *kbytes = (const unsigned char *)keys.buf;
-        Py_ssize_t *pending = PyMem_RawMalloc((size_t)(count ? count : 1) * sizeof(Py_ssize_t));
-        if (pending == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
+        const uint64_t limit = (uint64_t)n;
+        Py_ssize_t bad = -1;
+        int64_t bad_value = 0;
         Py_BEGIN_ALLOW_THREADS
         if (wide) {
             uint64_t k64[64];
@@ -211,7 +213,11 @@ static PyObject *feistel(PyObject *module, PyObject *args) {
             PERMUTE(uint32_t, 32, k32);
         }
         Py_END_ALLOW_THREADS
-        PyMem_RawFree(pending);
+        if (bad >= 0) {
+            PyErr_Format(PyExc_ValueError, "value %lld at %zd is outside [0, %lld)",
+                         (long long)bad_value, bad, n);
+            goto done;
+        }
     }
     result = Py_NewRef(Py_None);
 done:

@@ -98,8 +98,8 @@ class FeistelPermutation:
     """
 
     def __init__(self, n: int, key: int) -> None:
-        if n < 0:
-            raise ValueError(f"permutation size must be >= 0, got {n}")
+        if not 0 <= n < 1 << 63:
+            raise ValueError(f"permutation size must be in [0, 2**63), got {n}")
         self.n = n
         bits = max(2, (max(n, 1) - 1).bit_length())
         self._high = bits // 2  # bits of the left half at the start
@@ -144,32 +144,30 @@ class FeistelPermutation:
 
     def __call__(self, values: npt.ArrayLike) -> IntArray:
         """Return the images of ``values`` (each in ``[0, n)``)."""
-        x = np.ascontiguousarray(values, dtype=np.int64)
-        if self.n <= 1:
-            return x.copy()
-        if _gather is not None:
-            images = np.empty_like(x)
-            wide = self._word == 64
-            _gather.feistel(images, x, self._key_words, self._high, self._low, wide, self.n)
-            return images
-        return self.reference(x)
+        x = np.asarray(values, dtype=np.int64)
+        if self.n <= 1 or _gather is None:
+            return self.reference(x)
+        flat = np.ascontiguousarray(x.reshape(-1))
+        images = np.empty_like(flat)
+        wide = self._word == 64
+        _gather.feistel(images, flat, self._key_words, self._high, self._low, wide, self.n)
+        return images.reshape(x.shape)
 
     def reference(self, values: npt.ArrayLike) -> IntArray:
         """Return the images of ``values`` computed with numpy (the definition)."""
         x = np.asarray(values, dtype=np.int64)
-        if self.n <= 1:
-            return x.copy()
         if x.size and (int(x.min()) < 0 or int(x.max()) >= self.n):
             raise ValueError(f"permutation inputs must lie in [0, {self.n})")
-        out = self._encrypt(x.astype(self._dtype))
-        if self.n == 1 << (self._high + self._low):
-            return out.astype(np.int64)  # the whole domain: nothing to walk
-        limit = self._dtype.type(self.n)
-        outside = np.flatnonzero(out >= limit)
-        while outside.size:
-            out[outside] = self._encrypt(out[outside])
-            outside = outside[out[outside] >= limit]
-        return out.astype(np.int64)
+        if self.n <= 1:
+            return x.copy()
+        out = self._encrypt(x.reshape(-1).astype(self._dtype))
+        if self.n != 1 << (self._high + self._low):  # else the whole domain: nothing to walk
+            limit = self._dtype.type(self.n)
+            outside = np.flatnonzero(out >= limit)
+            while outside.size:
+                out[outside] = self._encrypt(out[outside])
+                outside = outside[out[outside] >= limit]
+        return out.astype(np.int64).reshape(x.shape)
 
 
 class EpochOrder:
