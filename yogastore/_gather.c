@@ -2,8 +2,8 @@
  *
  * gather_rows(dst, src, starts, row_bytes) copies, for every i, the bytes
  * src[starts[i] : starts[i] + row_bytes] to dst[i * row_bytes : (i + 1) * row_bytes].
- * Every start is checked against src before anything is copied; the copy runs
- * without the GIL. All three buffers must be contiguous; starts holds int64.
+ * Every start is checked against src before anything is copied, and again on
+ * the read the copy uses; the copy runs without the GIL. All three buffers must be contiguous; starts holds int64.
  *
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
  * permutation of yogastore.order.FeistelPermutation (same rounds, same words,
@@ -52,13 +52,28 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
     {
         char *out = (char *)dst.buf;
         const char *in = (const char *)src.buf;
+        Py_ssize_t bad = -1;
+        int64_t bad_start = 0;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t s;
             memcpy(&s, pos + i, sizeof s);
+            /* Checked again on the read that is used: another thread may have
+             * written starts since the check above. */
+            if (s < 0 || s > last) {
+                bad = i;
+                bad_start = s;
+                break;
+            }
             memcpy(out + i * row, in + s, (size_t)row);
         }
         Py_END_ALLOW_THREADS
+        if (bad >= 0) {
+            PyErr_Format(PyExc_IndexError,
+                         "row %zd starts at byte %lld, outside the %zd-byte source",
+                         bad, (long long)bad_start, src.len);
+            goto done;
+        }
     }
     result = Py_NewRef(Py_None);
 done:
