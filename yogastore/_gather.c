@@ -3,7 +3,8 @@
  * gather_rows(dst, src, starts, row_bytes) copies, for every i, the bytes
  * src[starts[i] : starts[i] + row_bytes] to dst[i * row_bytes : (i + 1) * row_bytes].
  * Every start is checked against src before anything is copied, and again on
- * the read the copy uses; the copy runs without the GIL. All three buffers must be contiguous; starts holds int64.
+ * the read the copy uses; the copy runs without the GIL. All three buffers
+ * must be contiguous; starts holds int64.
  *
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
  * permutation of yogastore.order.FeistelPermutation (same rounds, same words,
@@ -197,7 +198,8 @@ static PyObject *feistel(PyObject *module, PyObject *args) {
     {
         const char *o = out.buf, *v = values.buf;
         if (o != v && o < v + values.len && v < o + out.len) {
-            PyErr_SetString(PyExc_ValueError, "out overlaps values (only out is values is allowed)");
+            PyErr_SetString(PyExc_ValueError,
+                            "out overlaps values (only out is values is allowed)");
             goto done;
         }
     }
