@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AccessDeniedError",
     "BackendUnavailableError",
+    "BuildLimitError",
     "CorruptCacheError",
     "DatasetNotFoundError",
     "InvalidArgumentError",
@@ -18,6 +19,8 @@ __all__ = [
     "KeyNotFoundError",
     "LockLostError",
     "LockTimeoutError",
+    "RankMismatchError",
+    "StaleCacheError",
     "StorageError",
     "UnsupportedElementError",
     "YogaStoreError",
@@ -74,3 +77,15 @@ class LockLostError(StorageError):
 
 class LockTimeoutError(YogaStoreError, TimeoutError):
     """Waiting for another builder took longer than allowed."""
+
+
+class StaleCacheError(YogaStoreError, ValueError):
+    """A cached version was built from another source (element_spec or fingerprint differ)."""
+
+
+class BuildLimitError(YogaStoreError, ValueError):
+    """A build was refused or stopped: infinite source, or a ``max_records``/``max_bytes`` guard."""
+
+
+class RankMismatchError(YogaStoreError, RuntimeError):
+    """Distributed ranks disagree on a setting that must be equal on every rank."""

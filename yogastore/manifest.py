@@ -91,6 +91,8 @@ class Manifest:
     chunks: tuple[ChunkInfo, ...]
     build_id: str
     created: dict[str, Any]
+    source_fingerprint: str | None = None
+    """The ``fingerprint=`` the dataset was built with (canonical JSON text), if any."""
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +123,7 @@ class Manifest:
             "chunks": [c.to_json() for c in self.chunks],
             "build_id": self.build_id,
             "created": self.created,
+            "source_fingerprint": self.source_fingerprint,
         }
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
@@ -181,6 +184,11 @@ class Manifest:
                 f"{where}: chunk table covers {expected_first} records, manifest says {num_records}"
             )
         created = doc.get("created", {})
+        fingerprint = doc.get("source_fingerprint")
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise CorruptCacheError(
+                f"{where}: field 'source_fingerprint' must be a string or null, got {fingerprint!r}"
+            )
         return cls(
             dataset_id=_str(doc, "dataset_id", where),
             version=_str(doc, "version", where),
@@ -189,4 +197,5 @@ class Manifest:
             chunks=tuple(chunks),
             build_id=_str(doc, "build_id", where),
             created=created if isinstance(created, dict) else {},
+            source_fingerprint=fingerprint,
         )

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,22 @@ from storage_backends.errors import (
     LockLostError,
     StorageError,
 )
+from yogastore.buildcheck import (
+    BuildOptions,
+    canonical_fingerprint,
+    check_fingerprint,
+    check_schema,
+    check_source_size,
+    delete_build,
+    guarded_items,
+)
 from yogastore.manifest import Manifest, validate_name
 from yogastore.order import Shuffle
 from yogastore.progress import Progress, default_progress
 from yogastore.reader import ChunkSource, LocalChunkSource
 from yogastore.spec import ComponentSpec, Schema
 from yogastore.stream import Stream, StreamState
-from yogastore.writer import records_from_iterable, write_dataset
+from yogastore.writer import new_build_id, records_from_iterable, write_dataset
 
 __all__ = ["DatasetInfo", "DatasetRef", "Store", "default_root"]
 
@@ -296,12 +305,18 @@ class Store:
         spec: Any = None,
         chunk_bytes: int | None = None,
         progress: Progress | None = None,
+        fingerprint: str | Mapping[str, Any] | None = None,
+        rebuild: bool = False,
+        max_records: int | None = None,
+        max_bytes: int | None = None,
     ) -> DatasetRef:
         """Return the dataset, building it first if it is not cached yet.
 
-        ``make_dataset`` is called only when this process is the one to build:
-        concurrent callers on one machine (or, on S3, anywhere) wait for the
-        builder and then read its result.
+        ``make_dataset`` is called only when this process is the one to build,
+        or, on a hit without ``spec=``, to compare the ``element_spec`` of the
+        ``tf.data.Dataset`` it returns (nothing is read from it). Concurrent
+        callers on one machine (or, on S3, anywhere) wait for the builder and
+        then read its result.
 
         Args:
             dataset_id: dataset name (printable, no ``/`` or ``..``).
@@ -310,25 +325,50 @@ class Store:
                 structures described by ``spec``.
             spec: for iterables, a nest of ``ComponentSpec`` (or of ``tf.TypeSpec``).
             chunk_bytes: target chunk size (default: the store's).
-            progress: progress sink (default: tqdm on a terminal).
+            progress: progress sink (default: tqdm on a terminal, else a line
+                every ~10 s on stderr).
+            fingerprint: what identifies the source (a string, or a JSON-able
+                dict such as file names, sizes, mtimes, preprocessing version);
+                stored in the manifest and compared on every hit.
+            rebuild: replace a committed version deliberately.
+            max_records: stop and fail the build past this many records.
+            max_bytes: stop and fail the build past this many bytes of records.
+
+        Raises:
+            StaleCacheError: the committed version was built from a source with
+                another element_spec or fingerprint (pass ``rebuild=True`` or a
+                new version).
+            BuildLimitError: the source is infinite, or a guard was exceeded;
+                nothing of the failed build is left behind.
         """
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
         if make_dataset is None or not callable(make_dataset):
             raise InvalidArgumentError("make_dataset must be a callable returning the dataset")
+        options = BuildOptions(
+            fingerprint=canonical_fingerprint(fingerprint),
+            rebuild=rebuild,
+            max_records=max_records,
+            max_bytes=max_bytes,
+        )
+        if options.rebuild:
+            self._drop(dataset_id, version)
         manifest = self._read_manifest(dataset_id, version)
         if manifest is not None:
-            return DatasetRef(self, manifest)
+            return self._hit(manifest, make_dataset, spec, options)
         with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
             manifest = self._read_manifest(dataset_id, version)
             if manifest is not None:
-                return DatasetRef(self, manifest)
+                return self._hit(manifest, make_dataset, spec, options)
             # Keys left by a build that died before its manifest are never read
             # and are swept after the commit, not now: a holder whose lease ran
             # out unnoticed may still be writing, and deleting first could leave
             # its (refused or not) commit pointing at deleted chunks.
             source = make_dataset()
+            total = check_source_size(source, f"{dataset_id}/{version}", options)
             schema, items, element_spec = self._prepare(source, spec)
+            items = guarded_items(items, f"{dataset_id}/{version}", options)
+            build_id = new_build_id()
             try:
                 manifest = write_dataset(
                     self.backend,
@@ -337,8 +377,10 @@ class Store:
                     schema,
                     items,
                     chunk_bytes=chunk_bytes or self.chunk_bytes,
-                    progress=progress or default_progress(f"caching {dataset_id}/{version}"),
+                    progress=progress or default_progress(f"caching {dataset_id}/{version}", total),
                     upload_workers=int(getattr(self.backend, "upload_workers", 1)),
+                    build_id=build_id,
+                    source_fingerprint=options.fingerprint,
                 )
             except (KeyExistsError, LockLostError) as err:
                 # Refused: another manifest is there, or another process took
@@ -351,8 +393,53 @@ class Store:
                 if winner.schema != schema:
                     element_spec = None
                 return DatasetRef(self, winner, element_spec)
+            except BaseException:
+                # Still the holder: our own chunks are nobody else's to read.
+                delete_build(self.backend, dataset_id, version, build_id)
+                raise
             self._sweep(manifest)
         return DatasetRef(self, manifest, element_spec)
+
+    def _hit(
+        self,
+        manifest: Manifest,
+        make_dataset: Callable[[], Any],
+        spec: Any,
+        options: BuildOptions,
+    ) -> DatasetRef:
+        """Return a committed version after checking it was built from this source."""
+        check_fingerprint(manifest, options.fingerprint)
+        if spec is not None:
+            schema, element_spec = self._schema_of_spec(spec), None
+        else:
+            source = make_dataset()
+            if not _is_tf_dataset(source):
+                raise InvalidArgumentError(
+                    "make_dataset returned a non-tf.data iterable; pass spec= "
+                    "(a nest of ComponentSpec)"
+                )
+            from yogastore import tf as ytf
+
+            schema = ytf.schema_from_element_spec(source.element_spec)
+            element_spec = source.element_spec
+        check_schema(manifest, schema)
+        return DatasetRef(self, manifest, element_spec)
+
+    def _schema_of_spec(self, spec: Any) -> Schema:
+        if _contains_component_spec(spec):
+            return Schema.from_specs(spec)
+        from yogastore import tf as ytf
+
+        return ytf.schema_from_element_spec(spec)
+
+    def _drop(self, dataset_id: str, version: str) -> None:
+        """Delete a committed version (for ``rebuild=True``); no-op when absent."""
+        prefix = f"{dataset_id}/{version}/"
+        with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
+            if self.backend.exists(prefix + MANIFEST):
+                logger.info("rebuilding dataset %r version %r", dataset_id, version)
+                self.backend.delete(prefix + MANIFEST)
+                self.backend.delete_prefix(prefix)
 
     def _winner(self, dataset_id: str, version: str) -> Manifest | None:
         """Return the manifest another builder committed when ours was refused."""

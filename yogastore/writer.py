@@ -10,6 +10,7 @@ commit point, so a build that dies at any moment leaves nothing readable.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import socket
@@ -24,10 +25,18 @@ from storage_backends import Backend
 from storage_backends.errors import UnsupportedElementError
 from yogastore.format import ChunkBuilder, ColumnSpec, columns_for, parse_header
 from yogastore.manifest import ChunkInfo, Manifest, checksum
-from yogastore.progress import Progress
-from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
+from yogastore.progress import LineProgress, Progress
+from yogastore.spec import (
+    STRING,
+    ComponentSpec,
+    Kind,
+    RaggedValue,
+    Schema,
+    SparseValue,
+    numpy_dtype,
+)
 
-__all__ = ["component_columns", "write_dataset"]
+__all__ = ["chunk_key_prefix", "component_columns", "new_build_id", "write_dataset"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +64,57 @@ def component_columns(comp: ComponentSpec, value: Any, path: str) -> list[Any]:
     return [value.indices, value.values, value.dense_shape]
 
 
+_numpy_dtype = functools.lru_cache(maxsize=None)(numpy_dtype)
+
+
+def _check_cast(comp: ComponentSpec, value: Any, path: str) -> None:
+    """Refuse a value whose conversion to the spec's dtype would lose information.
+
+    Across kinds (float -> int, int -> bool, complex -> float) numpy casts
+    silently; so does narrowing an integer that does not fit. Both are refused.
+    Lists are converted by numpy as usual (their kind is not inspected).
+    """
+    if comp.dtype == STRING or comp.kind is Kind.SPARSE:
+        return
+    if isinstance(value, RaggedValue):
+        value = value.flat_values
+    target = _numpy_dtype(comp.dtype)
+    if isinstance(value, float) and target.kind in "iub":
+        raise UnsupportedElementError(
+            f"component {path!r}: Python float {value!r} where spec= says {comp.dtype}; "
+            "casting would lose the fraction: convert it yourself or fix spec="
+        )
+    src = getattr(value, "dtype", None)
+    if not isinstance(src, np.dtype) or src == target or "V" in (src.kind, target.kind):
+        return
+    if src.kind in "OSU":
+        return
+    if not np.can_cast(src, target, casting="same_kind"):
+        raise UnsupportedElementError(
+            f"component {path!r}: value of dtype {src} where spec= says {comp.dtype}; "
+            "the cast would lose information: convert it yourself or fix spec="
+        )
+    if src.kind in "iu" and target.kind in "iu" and not np.can_cast(src, target):
+        arr = np.asarray(value)
+        info = np.iinfo(target)
+        if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+            raise UnsupportedElementError(
+                f"component {path!r}: values of dtype {src} outside the {comp.dtype} range "
+                f"of spec=: widen spec= or convert them yourself"
+            )
+
+
 def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[SourceItem]:
-    """Turn an iterable of numpy structures into per-record column values."""
+    """Turn an iterable of numpy structures into per-record column values.
+
+    Raises:
+        UnsupportedElementError: a value would be cast lossily to the spec's dtype.
+    """
     for element in items:
         leaves = schema.flatten(element)
         values: list[Any] = []
         for comp, leaf, path in zip(schema.components, leaves, schema.paths, strict=True):
+            _check_cast(comp, leaf, path)
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
 
@@ -87,6 +141,16 @@ class _Uploader:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def new_build_id() -> str:
+    """Return a fresh build id (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
+def chunk_key_prefix(dataset_id: str, version: str, build_id: str) -> str:
+    """Return the prefix of every chunk key of one build."""
+    return f"{dataset_id}/{version}/c-{build_id}-"
+
+
 def write_dataset(
     backend: Backend,
     dataset_id: str,
@@ -97,10 +161,16 @@ def write_dataset(
     chunk_bytes: int,
     progress: Progress,
     upload_workers: int = 1,
+    build_id: str | None = None,
+    source_fingerprint: str | None = None,
 ) -> Manifest:
-    """Write every record of ``items`` as chunks, then commit the manifest."""
+    """Write every record of ``items`` as chunks, then commit the manifest.
+
+    Chunk keys are ``<dataset>/<version>/c-<build_id>-<n>`` (``build_id``:
+    random unless given), so a caller can delete one build's chunks.
+    """
     prefix = f"{dataset_id}/{version}/"
-    build_id = uuid.uuid4().hex[:12]
+    build_id = build_id or new_build_id()
     columns: list[ColumnSpec] = [c for comp in schema.components for c in columns_for(comp)]
     chunks: list[ChunkInfo] = []
     uploader = _Uploader(backend, upload_workers)
@@ -114,7 +184,7 @@ def write_dataset(
             return
         data = builder.encode()
         index_bytes = int(parse_header(data, len(data), prefix)["index_end"])
-        key = f"{prefix}c-{build_id}-{len(chunks):06d}"
+        key = f"{chunk_key_prefix(dataset_id, version, build_id)}{len(chunks):06d}"
         chunks.append(
             ChunkInfo(
                 key=key,
@@ -128,6 +198,8 @@ def write_dataset(
         )
         first += builder.count
         uploader.put(key, data)
+        if isinstance(progress, LineProgress):
+            progress.add_bytes(len(data))
         builder = ChunkBuilder(columns)
 
     try:
@@ -166,6 +238,7 @@ def write_dataset(
             "pid": os.getpid(),
             "chunk_bytes": chunk_bytes,
         },
+        source_fingerprint=source_fingerprint,
     )
     backend.put_exclusive(prefix + "manifest.json", manifest.to_json())
     elapsed = time.perf_counter() - started
