@@ -366,15 +366,51 @@ class Stream:
                 del batch
             del arrays
 
-    def to_tf_dataset(self, batch_size: int | None = None, drop_remainder: bool = False) -> Any:
+    def to_tf_dataset(
+        self,
+        batch_size: int | None = None,
+        drop_remainder: bool = False,
+        *,
+        map_fn: Any = None,
+        num_parallel_calls: int | None = None,
+        batching: Any = None,
+        padded_shapes: Any = None,
+        padding_values: Any = None,
+    ) -> Any:
         """Return a ``tf.data.Dataset`` of this stream (batched if ``batch_size``).
 
-        Its ``element_spec`` equals the cached dataset's (batched like
-        ``Dataset.batch(batch_size, drop_remainder)``).
-        """
-        from yogastore import tf as ytf
+        Without ``map_fn`` its ``element_spec`` equals the cached dataset's
+        (batched like ``Dataset.batch(batch_size, drop_remainder)``).
 
-        return ytf.to_tf_dataset(self, batch_size, drop_remainder)
+        Args:
+            batch_size: records per batch (``None``: one record per element).
+            drop_remainder: leave out a last, smaller batch.
+            map_fn: a per-record function (e.g. decoding), applied before
+                batching, in order; batch ``i`` holds the same records as
+                without it.
+            num_parallel_calls: records ``map_fn`` runs on at once (default
+                ``tf.data.AUTOTUNE``).
+            batching: a ``yogastore.tf_map.Batching``: ``DENSE`` (default),
+                ``PADDED`` or ``RAGGED`` for variable-length dense components.
+            padded_shapes: passed to ``padded_batch`` (``PADDED``).
+            padding_values: passed to ``padded_batch`` (``PADDED``).
+
+        Raises:
+            InvalidArgumentError: an argument is invalid (checked here, not
+                when the dataset is first iterated).
+        """
+        from yogastore import tf_map
+
+        return tf_map.to_tf_dataset(
+            self,
+            batch_size,
+            drop_remainder,
+            map_fn=map_fn,
+            num_parallel_calls=num_parallel_calls,
+            batching=tf_map.Batching.DENSE if batching is None else batching,
+            padded_shapes=padded_shapes,
+            padding_values=padding_values,
+        )
 
     def stats(self) -> dict[str, int]:
         """Return read counters: records, batches, bytes fetched, requests, cache hits."""

@@ -250,7 +250,9 @@ def to_tf_dataset(
     unbatch = batch_size is None
     if schema.components and all(c.fixed for c in schema.components):
         return _fixed_dataset(stream, schema, batch_size, drop_remainder)
-    if unbatch:
+    if unbatch and not any(c.kind is Kind.RAGGED and c.ragged_rank == 0 for c in schema.components):
+        # (A ragged_rank-0 component comes out of unbatching a batch, as in
+        # the source; per element it would be a dense TensorSpec.)
         return _per_element_dataset(stream, schema)
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     static = size if (drop_remainder and not unbatch) else None

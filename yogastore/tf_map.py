@@ -1,0 +1,124 @@
+"""``to_tf_dataset`` options: argument checks, an element-level map, padded and ragged batching.
+
+A stream is read in batches (one Python call per batch or group of
+batches). An element-level ``map_fn`` (e.g. decoding a JPEG) runs on the
+records of those batches, in parallel, in order, and the records are batched
+again with the same size: batch ``i`` holds the same records as without the
+map, so the step alignment every distributed helper relies on is kept.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorflow as tf
+
+from storage_backends.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from yogastore.stream import Stream
+
+__all__ = ["Batching", "check_tf_args", "to_tf_dataset"]
+
+
+class Batching(enum.Enum):
+    """How records are grouped into batches."""
+
+    DENSE = "dense"
+    """``Dataset.batch``: every component must have the same shape within a batch."""
+    PADDED = "padded"
+    """``Dataset.padded_batch``: variable-length dense components padded to the longest."""
+    RAGGED = "ragged"
+    """``Dataset.ragged_batch``: variable-length dense components become ragged."""
+
+
+def _int_at_least(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_tf_args(
+    batch_size: Any,
+    drop_remainder: Any,
+    map_fn: Any = None,
+    num_parallel_calls: Any = None,
+    batching: Any = Batching.DENSE,
+) -> None:
+    """Validate ``to_tf_dataset`` arguments at the call, not at the first iteration.
+
+    Raises:
+        InvalidArgumentError: naming the argument and what it must be.
+    """
+    if batch_size is not None:
+        _int_at_least("batch_size", batch_size, 1)
+    if not isinstance(drop_remainder, bool | np.bool_):
+        raise InvalidArgumentError(f"drop_remainder must be a bool, got {drop_remainder!r}")
+    if drop_remainder and batch_size is None:
+        raise InvalidArgumentError("drop_remainder=True needs a batch_size")
+    if map_fn is not None and not callable(map_fn):
+        raise InvalidArgumentError(f"map_fn must be callable, got {map_fn!r}")
+    if num_parallel_calls is not None:
+        if map_fn is None:
+            raise InvalidArgumentError("num_parallel_calls needs a map_fn")
+        if num_parallel_calls != tf.data.AUTOTUNE:
+            _int_at_least("num_parallel_calls", num_parallel_calls, 1)
+    if not isinstance(batching, Batching):
+        raise InvalidArgumentError(f"batching must be a Batching, got {batching!r}")
+    if batching is not Batching.DENSE and batch_size is None:
+        raise InvalidArgumentError(f"batching=Batching.{batching.name} needs a batch_size")
+
+
+def _densify(*element: Any) -> Any:
+    """Turn ragged components into dense tensors (padded) so ``padded_batch`` accepts them."""
+    value = element[0] if len(element) == 1 else element
+    return tf.nest.map_structure(
+        lambda t: t.to_tensor() if isinstance(t, tf.RaggedTensor) else t, value
+    )
+
+
+def _apply(fn: Callable[..., Any], ds: tf.data.Dataset, calls: Any) -> tf.data.Dataset:
+    return ds.map(fn, num_parallel_calls=calls, deterministic=True)
+
+
+def to_tf_dataset(
+    stream: Stream,
+    batch_size: int | None,
+    drop_remainder: bool = False,
+    *,
+    map_fn: Callable[..., Any] | None = None,
+    num_parallel_calls: int | None = None,
+    batching: Batching = Batching.DENSE,
+    padded_shapes: Any = None,
+    padding_values: Any = None,
+) -> tf.data.Dataset:
+    """Return ``stream`` as a ``tf.data.Dataset`` (see ``Stream.to_tf_dataset``)."""
+    from yogastore import tf as ytf
+
+    check_tf_args(batch_size, drop_remainder, map_fn, num_parallel_calls, batching)
+    if map_fn is None and batching is Batching.DENSE:
+        return ytf.to_tf_dataset(stream, batch_size, drop_remainder)
+    calls = tf.data.AUTOTUNE if num_parallel_calls is None else num_parallel_calls
+    if batch_size is None:  # element-level map only (batching is DENSE here)
+        assert map_fn is not None
+        return _apply(map_fn, ytf.to_tf_dataset(stream, None), calls).prefetch(2)
+    # The stream is read in batches of batch_size (its step layout), then split,
+    # mapped, and regrouped with the same boundaries.
+    ds = ytf.to_tf_dataset(stream, batch_size, drop_remainder).unbatch()
+    if map_fn is not None:
+        ds = _apply(map_fn, ds, calls)
+    if batching is Batching.DENSE:
+        ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    elif batching is Batching.RAGGED:
+        ds = ds.ragged_batch(batch_size, drop_remainder=drop_remainder)
+    else:
+        ds = _apply(_densify, ds, calls).padded_batch(
+            batch_size,
+            padded_shapes=padded_shapes,
+            padding_values=padding_values,
+            drop_remainder=drop_remainder,
+        )
+    return ds.prefetch(2)
