@@ -30,11 +30,11 @@ epochs as usual.
 
 from __future__ import annotations
 
-import enum
+import itertools
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,8 +42,11 @@ import numpy.typing as npt
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore.agreement import AllGather, check_agreement
 from yogastore.keras_callback import PositionCallback
+from yogastore.launchers import dataset_fn, horovod_dataset, horovod_stream
 from yogastore.order import Shuffle
+from yogastore.steps import EpochSize, Remainder, _steps_for
 from yogastore.store import DEFAULT_BLOCK_WINDOW
 from yogastore.stream import Stream, StreamState, _check_int
 
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
     from yogastore.store import DatasetRef
 
 __all__ = [
+    "EpochSize",
     "PositionCallback",
     "Remainder",
     "StreamPosition",
@@ -63,36 +67,6 @@ logger = logging.getLogger(__name__)
 
 _POSITION_VERSION = 1
 IntArray = npt.NDArray[np.int64]
-
-
-class Remainder(enum.Enum):
-    """What to do with records that do not fill a whole step on every shard."""
-
-    DROP = "drop"
-    """Leave them out of this epoch (each epoch's new order leaves out other records)."""
-    PAD = "pad"
-    """Fill each shard's last step with the first records of its span of the epoch.
-
-    Shard ``r`` of ``n`` pads with the first records (cycled if needed) of
-    what it reads of a whole, fresh epoch split ``n`` ways, i.e. of
-    ``ref.stream(r, n, epoch=e)``; a shard with no records in that split
-    (fewer records than shards) pads from the start of the epoch's order. So
-    padding depends only on the epoch, the shard count and the rank: a
-    restore with the same count pads exactly as the uninterrupted run. After
-    a restore with another count, shard ``r`` reads its share of the records
-    nobody has trained on yet, then pads with the first records of its span
-    of the epoch split the new number of ways (records that may have been
-    trained on before the restore); every shard runs ``ceil(longest share /
-    records per step)`` steps, also a shard whose share is empty.
-    """
-
-
-def _steps_for(total: int, num_shards: int, per_step: int, remainder: Remainder) -> int:
-    """Return the steps every shard runs over ``total`` records (equal on every shard)."""
-    if remainder is Remainder.DROP:
-        return (total // num_shards) // per_step
-    longest = -(-total // num_shards)
-    return -(-longest // per_step)
 
 
 class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
@@ -127,6 +101,9 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
         block_window: chunks mixed together by ``Shuffle.BLOCK``.
         prefetch: batches read ahead on a background thread (default: 2 for
             object stores, none for local memory-mapped reads).
+        allgather: the ranks' all-gather (see ``yogastore.agreement``); when
+            given, the first ``dataset`` call of each layout checks that all
+            ranks agree on the dataset, seed, position and layout.
 
     Raises:
         InvalidArgumentError: an argument is out of range.
@@ -142,6 +119,7 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
         remainder: Remainder = Remainder.DROP,
         block_window: int = DEFAULT_BLOCK_WINDOW,
         prefetch: int | None = None,
+        allgather: AllGather | None = None,
     ) -> None:
         if not isinstance(remainder, Remainder):
             raise InvalidArgumentError(f"remainder must be a Remainder, got {remainder!r}")
@@ -154,6 +132,10 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
         self._layout: tuple[int, int] | None = None  # (num_shards, records per shard per step)
         self._segment_steps = 0
         self._steps = 0
+        self._global_step = 0
+        self.allgather = allgather
+        self._checked: set[tuple[Any, ...]] = set()
+        self.steps_per_epoch: int | None = None  # of the last dataset made with an EpochSize
 
     def __repr__(self) -> str:
         return (
@@ -186,6 +168,24 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
         """Steps advanced in the current epoch since it began or the position was restored."""
         with self._lock:
             return self._steps
+
+    @property
+    def global_step(self) -> int:
+        """Steps advanced since training began (saved in checkpoints; names them)."""
+        with self._lock:
+            return self._global_step
+
+    def initial_epoch(self) -> int:
+        """Return ``fit``'s ``initial_epoch``: global steps // steps per training epoch.
+
+        Raises:
+            InvalidArgumentError: no dataset with an ``EpochSize`` was made yet.
+        """
+        if self.steps_per_epoch is None:
+            raise InvalidArgumentError(
+                "initial_epoch() needs a dataset made with epoch_size=EpochSize(...) first"
+            )
+        return self.global_step // self.steps_per_epoch
 
     @property
     def mid_epoch(self) -> bool:
@@ -244,6 +244,7 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
                     "position.dataset(...) (or a dataset_fn dataset) first"
                 )
             self._steps += steps
+            self._global_step += steps
             while self._steps >= self._segment_steps:
                 if self._segment_steps == 0:
                     raise InvalidArgumentError(
@@ -297,6 +298,7 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
                 "yogastore_position": _POSITION_VERSION,
                 "state": json.loads(state.to_json()),
                 "remainder": self.remainder.value,
+                "global_step": self._global_step,
             }
         return json.dumps(doc, separators=(",", ":"))
 
@@ -315,6 +317,9 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
                 raise ValueError("not a yogastore position of a known version")
             state = StreamState.from_json(json.dumps(doc["state"]))
             remainder = Remainder(doc.get("remainder", self.remainder.value))
+            global_step = doc.get("global_step", 0)
+            if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+                raise ValueError(f"global_step must be an integer >= 0, got {global_step!r}")
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise InvalidArgumentError(f"invalid stream position {text!r:.200}: {err}") from err
         if state.dataset != self.ref.fingerprint or state.num_records != self.ref.num_records:
@@ -347,6 +352,7 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
                 )
             self._start = state
             self._steps = 0
+            self._global_step = global_step
             self._layout = None
             self._segment_steps = 0
 
@@ -359,16 +365,21 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
         batch_size: int,
         *,
         batches_per_step: int = 1,
+        epoch_size: EpochSize | None = None,
+        **tf_options: Any,
     ) -> tf.data.Dataset:
-        """Return shard ``shard_rank``'s batches; each iteration is the rest of the epoch.
+        """Return shard ``shard_rank``'s batches, one epoch per iteration.
 
-        Every shard yields the same number of batches (``steps_left(...) *
-        batches_per_step``), each of exactly ``batch_size`` records, with the
-        remainder handled as the position's ``remainder`` says. The epoch and
-        starting point are looked up when an iteration starts, so iterate the
-        same dataset once per epoch (Keras ``fit`` does). Shards sharing one
-        position in one process must all start iterating before the first
-        ``advance()`` of the epoch.
+        Without ``epoch_size`` each iteration is the rest of the current data
+        epoch (``steps_left(...) * batches_per_step`` batches; for custom
+        loops). With an ``EpochSize`` (for Keras ``fit``) each iteration is
+        exactly that many steps, continuing across data epochs, and the
+        dataset's cardinality says so. Every batch holds exactly
+        ``batch_size`` records and every shard yields as many batches (see
+        ``Remainder``). The starting point is looked up when an iteration
+        starts, so iterate the same dataset once per epoch (Keras ``fit``
+        does). Shards sharing one position in one process must all start
+        iterating before the first ``advance()`` of the epoch.
 
         Args:
             shard_rank: this shard, ``0 <= shard_rank < num_shards``.
@@ -376,9 +387,13 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
             batch_size: records per batch.
             batches_per_step: batches this shard feeds into one training step
                 (e.g. replicas per input pipeline under ``tf.distribute``).
+            epoch_size: fixed training epochs (see ``EpochSize``).
+            **tf_options: ``map_fn``, ``num_parallel_calls``, ``batching``,
+                ``padded_shapes``, ``padding_values`` (see ``Stream.to_tf_dataset``).
 
         Raises:
             InvalidArgumentError: an argument is out of range.
+            RankMismatchError: (with ``allgather``) the ranks disagree.
         """
         num_shards = _check_int("num_shards", num_shards, 1)
         shard_rank = _check_int("shard_rank", shard_rank, 0)
@@ -386,19 +401,76 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
             raise InvalidArgumentError(f"shard_rank {shard_rank} must be < num_shards {num_shards}")
         batch_size = _check_int("batch_size", batch_size, 1)
         batches_per_step = _check_int("batches_per_step", batches_per_step, 1)
-        live = _EpochRest(self, shard_rank, num_shards, batches_per_step)
-        return live.to_tf_dataset(batch_size, drop_remainder=True)
+        if epoch_size is not None and not isinstance(epoch_size, EpochSize):
+            raise InvalidArgumentError(f"epoch_size must be an EpochSize, got {epoch_size!r}")
+        steps = None
+        if epoch_size is not None:
+            per_step = batch_size * batches_per_step
+            steps = epoch_size.resolve(self.ref.num_records, num_shards, per_step, self.remainder)
+        self.steps_per_epoch = steps
+        if self.allgather is not None:
+            self.check_ranks(
+                self.allgather, num_shards, batch_size, batches_per_step, steps, "dataset"
+            )
+        live = _EpochRest(self, shard_rank, num_shards, batches_per_step, steps)
+        ds = live.to_tf_dataset(batch_size, drop_remainder=True, **tf_options)
+        if steps is not None:
+            ds = ds.apply(tf.data.experimental.assert_cardinality(steps * batches_per_step))
+        return ds
+
+    def check_ranks(
+        self,
+        allgather: AllGather,
+        num_shards: int,
+        batch_size: int,
+        batches_per_step: int = 1,
+        steps_per_epoch: int | None = None,
+        what: str = "StreamPosition",
+    ) -> None:
+        """Check, in one all-gather, that every rank reads this position the same way.
+
+        Done once per layout. Call it on every rank at the same point.
+
+        Raises:
+            RankMismatchError: naming the settings that differ.
+        """
+        key = (num_shards, batch_size, batches_per_step, steps_per_epoch)
+        if key in self._checked:
+            return
+        state = self.state()
+        settings = {
+            "dataset": self.ref.fingerprint,
+            "num_records": self.ref.num_records,
+            "seed": state.seed,
+            "shuffle": state.shuffle.name,
+            "block_window": state.block_window,
+            "epoch": state.epoch,
+            "position": [list(map(int, iv)) for iv in state.remaining],
+            "global_step": self.global_step,
+            "remainder": self.remainder.value,
+            "num_shards": num_shards,
+            "batch_size": batch_size,
+            "batches_per_step": batches_per_step,
+            "steps_per_epoch": steps_per_epoch,
+        }
+        check_agreement(settings, allgather, what)
+        self._checked.add(key)
 
 
 class _EpochRest(Stream):
-    """A stream whose every pass is the rest of a position's current epoch, in whole steps.
+    """A stream whose every pass is the rest of a position's epoch, or a fixed step count.
 
     ``to_tf_dataset`` builds its generator on ``column_batches``; overriding
     that one method makes the dataset re-read the position on each iteration.
     """
 
     def __init__(
-        self, position: StreamPosition, shard_rank: int, num_shards: int, batches_per_step: int
+        self,
+        position: StreamPosition,
+        shard_rank: int,
+        num_shards: int,
+        batches_per_step: int,
+        epoch_steps: int | None = None,
     ) -> None:
         start = position.state()
         super().__init__(
@@ -417,13 +489,42 @@ class _EpochRest(Stream):
         )
         self.position = position
         self.batches_per_step = batches_per_step
+        self.epoch_steps = epoch_steps
 
     def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
         position = self.position
-        start, steps = position._begin(self.num_shards, batch_size * self.batches_per_step)
-        count = steps * self.batches_per_step
+        per_step = batch_size * self.batches_per_step
+        start, steps = position._begin(self.num_shards, per_step)
+        if self.epoch_steps is None:
+            yield from self._segment(start, steps * self.batches_per_step, batch_size)
+            return
+        # Fixed training epochs: continue through data epochs as advance() will.
+        left = self.epoch_steps * self.batches_per_step
+        while left > 0:
+            take = min(left, steps * self.batches_per_step)
+            if take:
+                segment = self._segment(start, steps * self.batches_per_step, batch_size)
+                try:
+                    yield from itertools.islice(segment, take)
+                finally:
+                    segment.close()
+                left -= take
+            elif start.remaining_records == position.ref.num_records:
+                raise InvalidArgumentError(
+                    f"a whole epoch makes no step of {self.num_shards} shards x {per_step} records"
+                )
+            start = position._fresh(start.shuffle, start.seed, start.epoch + 1, start.block_window)
+            steps = _steps_for(
+                start.remaining_records, self.num_shards, per_step, position.remainder
+            )
+
+    def _segment(
+        self, start: StreamState, count: int, batch_size: int
+    ) -> Generator[Any, None, None]:
+        """Yield this shard's ``count`` batches of the epoch part ``start`` describes."""
         if count == 0:
             return
+        position = self.position
         drop = position.remainder is Remainder.DROP
         stream = position.ref.resume(
             start,
@@ -479,81 +580,3 @@ def _padding(
     for lo in range(0, len(records), batch_size):
         piece = records[lo : lo + batch_size]
         yield piece, source.gather(piece)
-
-
-def horovod_stream(
-    ref: DatasetRef,
-    *,
-    shuffle: bool | Shuffle = True,
-    seed: int = 0,
-    epoch: int = 0,
-    num_epochs: int | None = 1,
-    drop_remainder: bool = True,
-) -> Stream:
-    """Return the stream of the current Horovod rank (``hvd.rank()`` of ``hvd.size()``).
-
-    ``drop_remainder`` defaults to ``True``: every rank gets exactly ``N //
-    hvd.size()`` records per epoch, hence the same number of batches, which a
-    synchronous all-reduce needs. Call ``hvd.init()`` first.
-    """
-    import horovod.tensorflow as hvd
-
-    return ref.stream(
-        int(hvd.rank()),
-        int(hvd.size()),
-        shuffle=shuffle,
-        seed=seed,
-        epoch=epoch,
-        drop_remainder=drop_remainder,
-        num_epochs=num_epochs,
-    )
-
-
-def horovod_dataset(position: StreamPosition, batch_size: int) -> tf.data.Dataset:
-    """Return ``position.dataset`` for the current Horovod rank.
-
-    Every rank yields the same number of batches of ``batch_size`` records
-    (see ``Remainder``). Call ``hvd.init()`` first.
-    """
-    import horovod.tensorflow as hvd
-
-    return position.dataset(int(hvd.rank()), int(hvd.size()), batch_size)
-
-
-def dataset_fn(
-    position: StreamPosition, global_batch_size: int
-) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
-    """Return a ``dataset_fn`` for ``strategy.distribute_datasets_from_function``.
-
-    Input pipeline ``input_pipeline_id`` of ``num_input_pipelines`` reads that
-    shard of the position's epoch in per-replica batches of
-    ``input_context.get_per_replica_batch_size(global_batch_size)``; every
-    pipeline yields the same number of whole steps (see ``Remainder``).
-    Call ``position.advance()`` once per ``strategy.run`` step.
-
-    Args:
-        position: the shared data position.
-        global_batch_size: records per step over all replicas.
-
-    Raises:
-        InvalidArgumentError: ``global_batch_size`` is not a positive integer.
-    """
-    global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
-
-    def make(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        per_replica = input_context.get_per_replica_batch_size(global_batch_size)
-        pipelines = input_context.num_input_pipelines
-        replicas = input_context.num_replicas_in_sync
-        if per_replica < 1 or replicas % pipelines:
-            raise InvalidArgumentError(
-                f"global batch {global_batch_size} does not split over {replicas} replicas "
-                f"in {pipelines} input pipelines"
-            )
-        return position.dataset(
-            input_context.input_pipeline_id,
-            pipelines,
-            per_replica,
-            batches_per_step=replicas // pipelines,
-        )
-
-    return make

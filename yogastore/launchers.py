@@ -1,0 +1,168 @@
+"""Per-rank datasets for Horovod and ``tf.distribute``, checked for rank agreement first.
+
+Re-exported by ``yogastore.distributed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import tensorflow as tf
+
+from storage_backends.errors import InvalidArgumentError
+from yogastore.agreement import check_agreement, horovod_allgather, strategy_allgather
+from yogastore.order import Shuffle
+from yogastore.steps import EpochSize
+from yogastore.stream import Stream, _check_int
+
+if TYPE_CHECKING:
+    from yogastore.distributed import StreamPosition
+    from yogastore.store import DatasetRef
+
+__all__ = ["dataset_fn", "horovod_dataset", "horovod_stream"]
+
+
+def horovod_stream(
+    ref: DatasetRef,
+    *,
+    shuffle: bool | Shuffle = True,
+    seed: int = 0,
+    epoch: int = 0,
+    num_epochs: int | None = 1,
+    drop_remainder: bool = True,
+    check: bool = True,
+) -> Stream:
+    """Return the stream of the current Horovod rank (``hvd.rank()`` of ``hvd.size()``).
+
+    ``drop_remainder`` defaults to ``True``: every rank gets exactly ``N //
+    hvd.size()`` records per epoch, hence the same number of batches, which a
+    synchronous all-reduce needs. Call ``hvd.init()`` first, then this on
+    every rank: with ``check`` the ranks first verify (one all-gather) that
+    they pass the same dataset and settings.
+
+    Raises:
+        RankMismatchError: the ranks disagree (the message names the setting).
+    """
+    import horovod.tensorflow as hvd
+
+    stream = ref.stream(
+        int(hvd.rank()),
+        int(hvd.size()),
+        shuffle=shuffle,
+        seed=seed,
+        epoch=epoch,
+        drop_remainder=drop_remainder,
+        num_epochs=num_epochs,
+    )
+    if check:
+        settings = {
+            "dataset": ref.fingerprint,
+            "num_records": ref.num_records,
+            "shuffle": stream.shuffle.name,
+            "seed": stream.seed,
+            "epoch": stream.epoch,
+            "num_epochs": num_epochs,
+            "drop_remainder": drop_remainder,
+            "num_shards": int(hvd.size()),
+        }
+        check_agreement(settings, horovod_allgather, "horovod_stream")
+    return stream
+
+
+def horovod_dataset(
+    position: StreamPosition,
+    batch_size: int,
+    *,
+    epoch_size: EpochSize | None = None,
+    **tf_options: Any,
+) -> tf.data.Dataset:
+    """Return ``position.dataset`` for the current Horovod rank.
+
+    Every rank yields the same number of batches of ``batch_size`` records
+    (see ``Remainder``). Call ``hvd.init()`` first, then this on every rank:
+    the ranks first verify (one all-gather) that they agree on the dataset,
+    seed, position, batch size and epoch size.
+
+    Args:
+        position: the data position (restored from a checkpoint, or fresh).
+        batch_size: records per rank per step.
+        epoch_size: fixed training epochs for Keras ``fit`` (see ``EpochSize``).
+        **tf_options: as for ``StreamPosition.dataset`` (``map_fn``, ``batching``, ...).
+
+    Raises:
+        RankMismatchError: the ranks disagree (the message names the setting).
+    """
+    import horovod.tensorflow as hvd
+
+    rank, size = int(hvd.rank()), int(hvd.size())
+    batch_size = _check_int("batch_size", batch_size, 1)
+    steps = None
+    if epoch_size is not None and isinstance(epoch_size, EpochSize):
+        steps = epoch_size.resolve(position.ref.num_records, size, batch_size, position.remainder)
+    position.check_ranks(horovod_allgather, size, batch_size, 1, steps, "horovod_dataset")
+    return position.dataset(rank, size, batch_size, epoch_size=epoch_size, **tf_options)
+
+
+def dataset_fn(
+    position: StreamPosition,
+    global_batch_size: int,
+    *,
+    strategy: tf.distribute.Strategy | None = None,
+    epoch_size: EpochSize | None = None,
+    **tf_options: Any,
+) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+    """Return a ``dataset_fn`` for ``strategy.distribute_datasets_from_function``.
+
+    Input pipeline ``input_pipeline_id`` of ``num_input_pipelines`` reads that
+    shard of the position's epoch in per-replica batches of
+    ``input_context.get_per_replica_batch_size(global_batch_size)``; every
+    pipeline yields the same number of whole steps (see ``Remainder``).
+    Call ``position.advance()`` once per ``strategy.run`` step (or use
+    ``PositionCallback`` with Keras ``fit``).
+
+    Args:
+        position: the shared data position.
+        global_batch_size: records per step over all replicas.
+        strategy: when given, every worker checks here, in one all-gather over
+            the strategy's replicas, that all agree on the dataset, seed,
+            position, batch size and epoch size (call it on every worker).
+        epoch_size: fixed training epochs for Keras ``fit`` (see ``EpochSize``).
+        **tf_options: as for ``StreamPosition.dataset`` (``map_fn``, ``batching``, ...).
+
+    Raises:
+        InvalidArgumentError: ``global_batch_size`` is not a positive integer.
+        RankMismatchError: (with ``strategy``) the workers disagree.
+    """
+    global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+    if strategy is not None:
+        steps = None
+        if isinstance(epoch_size, EpochSize):
+            steps = epoch_size.resolve(
+                position.ref.num_records, 1, global_batch_size, position.remainder
+            )
+        # num_shards is not known before the input contexts exist: the global
+        # batch and the epoch's step count stand for the layout.
+        position.check_ranks(
+            strategy_allgather(strategy), 0, global_batch_size, 0, steps, "dataset_fn"
+        )
+
+    def make(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        per_replica = input_context.get_per_replica_batch_size(global_batch_size)
+        pipelines = input_context.num_input_pipelines
+        replicas = input_context.num_replicas_in_sync
+        if per_replica < 1 or replicas % pipelines:
+            raise InvalidArgumentError(
+                f"global batch {global_batch_size} does not split over {replicas} replicas "
+                f"in {pipelines} input pipelines"
+            )
+        return position.dataset(
+            input_context.input_pipeline_id,
+            pipelines,
+            per_replica,
+            batches_per_step=replicas // pipelines,
+            epoch_size=epoch_size,
+            **tf_options,
+        )
+
+    return make
