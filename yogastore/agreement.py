@@ -3,9 +3,9 @@
 Ranks with different seeds, dataset versions, shard counts or batch sizes
 read overlapping shards (some records twice, others never) and nothing
 fails. So before the first read each rank hashes each setting, the ranks
-exchange the hashes in one small all-gather (``k`` 64-bit integers per rank
-for ``k`` settings), and every rank raises ``RankMismatchError`` naming the
-settings that differ, with the ranks holding each value.
+exchange the hashes in one small all-gather (32 64-bit integers per rank),
+and every rank raises ``RankMismatchError`` naming the settings that
+differ, with the ranks holding each value.
 
 The all-gather is passed in, so the check works with any communicator:
 ``horovod_allgather``, ``strategy_allgather`` (``tf.distribute``), or a test's.
@@ -30,6 +30,8 @@ __all__ = [
     "setting_hashes",
     "strategy_allgather",
 ]
+
+MAX_SETTINGS = 31  # columns of hashes per rank (plus one for the names)
 
 #: Gathers a ``[k]`` int64 array from every rank into a ``[num_ranks, k]`` array.
 AllGather = Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]]
@@ -67,9 +69,14 @@ def check_agreement(settings: Mapping[str, Any], allgather: AllGather, what: str
             which ranks agree with it.
     """
     names, local = setting_hashes(settings)
-    # A first column hashing the names catches ranks passing different sets.
+    if len(names) > MAX_SETTINGS:
+        raise ValueError(f"at most {MAX_SETTINGS} settings, got {len(names)}")
+    # A first column hashing the names catches ranks passing different sets;
+    # rows have one fixed length, as an all-gather needs.
     names_hash = np.array([xxhash.xxh3_64_intdigest(_text(names).encode())], np.uint64)
-    row = np.concatenate([names_hash.view(np.int64), local])
+    row = np.zeros(1 + MAX_SETTINGS, np.int64)
+    row[0] = names_hash.view(np.int64)[0]
+    row[1 : 1 + len(local)] = local
     table = np.asarray(allgather(row), dtype=np.int64).reshape(-1, len(row))
     me = _my_row(table, row)
     if not (table[:, 0] == row[0]).all():
@@ -77,7 +84,7 @@ def check_agreement(settings: Mapping[str, Any], allgather: AllGather, what: str
             f"{what}: ranks pass different sets of settings (this rank: {names}); "
             "every rank must run the same code and version of yogastore"
         )
-    differing = [j for j in range(1, len(row)) if not (table[:, j] == table[0, j]).all()]
+    differing = [j for j in range(1, 1 + len(names)) if not (table[:, j] == table[0, j]).all()]
     if not differing:
         return
     parts = []
