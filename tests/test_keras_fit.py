@@ -149,3 +149,70 @@ def test_dataset_fn_under_mirrored_strategy_has_known_cardinality(tmp_path: Path
     assert int(ds.cardinality()) == 3
     dist = strategy.distribute_datasets_from_function(fn)
     assert sum(1 for _ in dist) == 3
+    # The README's recipe: fit under the strategy, one call, fixed epochs.
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    position = StreamPosition(ref, seed=SEED)
+    fn = dataset_fn(position, 8, strategy=strategy, epoch_size=EpochSize())
+    dist = strategy.distribute_datasets_from_function(
+        lambda ctx: fn(ctx).map(lambda b: (b["x"], b["y"]))
+    )
+    model.fit(
+        dist,
+        initial_epoch=position.initial_epoch(),
+        epochs=2,
+        callbacks=[PositionCallback(position)],
+        verbose=0,
+    )
+    assert position.steps_per_epoch == 10 and position.global_step == 20
+    assert position.epoch == 2 and not position.mid_epoch
+
+
+def test_position_checks_ranks_on_first_dataset(tmp_path: Path) -> None:
+    from yogastore import RankMismatchError
+
+    ref = make_ref(tmp_path, 80)
+    other_rank: list[np.ndarray] = []
+
+    def remember(row: np.ndarray) -> np.ndarray:
+        other_rank.append(row)
+        return row[None]
+
+    # The row another rank (with seed 6) contributes.
+    StreamPosition(ref, seed=6, allgather=remember).dataset(1, 2, 8)
+    calls: list[int] = []
+
+    def gather(row: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        return np.stack([row, other_rank[0]])
+
+    position = StreamPosition(ref, seed=SEED, allgather=gather)
+    with pytest.raises(RankMismatchError, match="dataset: ranks disagree on seed"):
+        position.dataset(0, 2, 8)
+    assert calls == [1], "one all-gather"
+    agreeing = StreamPosition(ref, seed=6, allgather=gather)
+    agreeing.dataset(0, 2, 8)
+    agreeing.dataset(1, 2, 8)  # same layout: checked once
+    assert calls == [1, 1]
+
+
+def test_position_dataset_with_element_map_keeps_steps(tmp_path: Path) -> None:
+    ref = make_ref(tmp_path, 80)
+    plain = StreamPosition(ref, seed=SEED).dataset(0, 1, 8, epoch_size=EpochSize(steps=3))
+    mapped = StreamPosition(ref, seed=SEED).dataset(
+        0,
+        1,
+        8,
+        epoch_size=EpochSize(steps=3),
+        map_fn=lambda e: {"id": e["id"], "twice": 2 * e["id"]},
+        num_parallel_calls=2,
+    )
+    assert int(mapped.cardinality()) == 3
+    a = [b["id"].numpy().tolist() for b in plain]
+    b = [(m["id"].numpy().tolist(), m["twice"].numpy().tolist()) for m in mapped]
+    assert [ids for ids, _ in b] == a
+    assert all(t == [2 * i for i in ids] for ids, t in b)
