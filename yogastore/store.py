@@ -191,7 +191,7 @@ class DatasetRef:
 
     def resume(
         self,
-        state: StreamState | str,
+        state: StreamState | str | bytes,
         shard_rank: int = 0,
         num_shards: int = 1,
         *,
@@ -206,8 +206,12 @@ class DatasetRef:
         ``num_epochs`` allows, the following epochs in their usual order.
         ``num_shards`` may differ from the count the state was taken with.
         """
-        if isinstance(state, str):
-            state = StreamState.from_json(state)
+        if isinstance(state, str | bytes | bytearray):
+            state = StreamState.from_json(bytes(state) if not isinstance(state, str) else state)
+        elif not isinstance(state, StreamState):
+            raise InvalidArgumentError(
+                f"resume state must be a StreamState or its JSON text, got {type(state).__name__}"
+            )
         if state.dataset != self.fingerprint or state.num_records != self.num_records:
             raise InvalidArgumentError(
                 f"resume state belongs to {state.dataset!r} ({state.num_records} records), "
