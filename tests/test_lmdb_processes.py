@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 import sys
 import textwrap
@@ -33,8 +34,8 @@ def own_readers(env_dir: Path) -> int:
     """Count reader slots of the environment held by live transactions of this process."""
     entry = lmdb_env.lookup(str(env_dir), str(env_dir / "data.mdb"))
     assert entry is not None
-    table = entry.env.readers().splitlines()[1:]
-    return sum(1 for line in table if line.split() and line.split()[-1] != "-")
+    rows = [line.split() for line in entry.env.readers().splitlines()[1:]]
+    return sum(1 for row in rows if len(row) == 3 and row[0] == str(os.getpid()) and row[2] != "-")
 
 
 # A process that writes one key into the version's environment per line it reads.
