@@ -149,6 +149,21 @@ class Backend(abc.ABC):
         """
         return self._lock(check_key(name), timeout)
 
+    def delete_lock(self, name: str) -> None:
+        """Remove what lock ``name`` leaves in the store; call while holding it.
+
+        Backends whose locks leave nothing behind need not implement it.
+        """
+        self._delete_lock(check_key(name))
+
+    def disk_usage(self, prefix: str = "") -> int:
+        """Return the bytes the store spends on keys under ``prefix``.
+
+        The default sums value sizes; a backend whose files hold more (free
+        pages, lock files) reports what they take on disk.
+        """
+        return self._disk_usage(_check_prefix(prefix))
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; buffers returned earlier become invalid."""
 
@@ -186,6 +201,12 @@ class Backend(abc.ABC):
     def _delete_prefix(self, prefix: str) -> None:
         for key in self._list(prefix):
             self._delete(key)
+
+    def _delete_lock(self, name: str) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _disk_usage(self, prefix: str) -> int:
+        return sum(self._size(key) for key in self._list(prefix))
 
     @abc.abstractmethod
     def _lock(

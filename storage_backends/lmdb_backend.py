@@ -2,29 +2,51 @@
 
 A key ``a/b/name`` lives in the LMDB environment at ``<root>/a/b`` under the
 record key ``name``; a dataset version (``<id>/<version>/...``) is therefore one
-environment. Values are read zero-copy from the memory map. Environments are
-opened once per process (py-lmdb refuses a second open of the same file) and
-never carried across ``fork``.
+environment. Values are read zero-copy from the memory map.
+
+Rules this module keeps (the registry, ``storage_backends.lmdb_env``, keeps
+the per-process and fork ones):
+
+* Every read sees what other processes committed: a read runs in a snapshot
+  no older than the environment's last commit, and an environment whose file
+  was deleted or replaced by another process is set aside and the new file
+  opened.
+* A buffer returned by ``get`` pins the read transaction it came from (and
+  only that): the transaction ends when the last view of its buffers is
+  gone, so reader slots never leak however often a missing key is polled.
+* Before the first read of each committed snapshot, the file's structure is
+  checked (``lmdb.verify``, a reader that never maps the file) under LMDB's
+  writer lock, so a damaged page is a ``CorruptCacheError`` naming the file
+  instead of a ``SIGBUS`` inside LMDB.
+* A full disk is a ``StorageError`` (``ENOSPC``) saying how much space is
+  missing; other LMDB failures are ``StorageError`` or ``CorruptCacheError``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 import lmdb
+import lmdb.verify
+import numpy as np
 
+from storage_backends import lmdb_env
 from storage_backends.base import Backend, Buffer
 from storage_backends.errors import (
+    CorruptCacheError,
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
@@ -32,20 +54,264 @@ from storage_backends.errors import (
     StorageError,
 )
 
-__all__ = ["LmdbBackend"]
+__all__ = ["LmdbBackend", "translate_error"]
+
+logger = logging.getLogger(__name__)
 
 _DATA_FILE = "data.mdb"
+_LOCK_FILE = "lock.mdb"
 _INITIAL_MAP_SIZE = 1 << 34  # address space only; the file grows as written
 _LOCK_SUFFIX = ".lock"
+_WRITE_MARGIN = 1 << 20  # bytes beyond a value a commit may need (pages, metas)
+# LMDB failures that mean the file itself is damaged.
+_CORRUPT = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.PanicError,
+    lmdb.VersionMismatchError,  # a flipped version field as often as another LMDB
+)
+
+
+def translate_error(
+    err: lmdb.Error, path: Path, what: str, needed: int = 0
+) -> StorageError | CorruptCacheError:
+    """Return the library error for an LMDB failure on the environment at ``path``.
+
+    A write failing while the filesystem lacks ``needed`` bytes (plus a
+    margin) is a full disk, whatever code LMDB reported.
+    """
+    if isinstance(err, _CORRUPT):
+        return _corrupt(path, str(err))
+    if needed:
+        try:
+            full = lmdb_env.free_bytes(str(path)) < needed + _WRITE_MARGIN
+        except OSError:
+            full = False
+        if full or "No space" in str(err):
+            return lmdb_env.disk_full_error(str(path), needed + _WRITE_MARGIN, err)
+    return StorageError(errno.EIO, f"LMDB {what} failed on {path}: {err}")
+
+
+def _corrupt(path: Path, detail: str) -> CorruptCacheError:
+    return CorruptCacheError(
+        f"LMDB file {path / _DATA_FILE} is damaged ({detail}); delete this dataset "
+        "version (`yogastore delete ID VERSION`) and build it again"
+    )
+
+
+class _Snapshot:
+    """One read transaction, alive while this object or any view it pinned is."""
+
+    __slots__ = ("__weakref__", "txn", "txnid")
+
+    def __init__(self, txn: Any) -> None:
+        self.txn = txn
+        self.txnid = int(txn.id())
+
+    def pin(self, value: Any) -> memoryview:
+        """Return a read-only view of ``value`` that keeps this transaction alive."""
+        n = len(value)
+        if n == 0:
+            return memoryview(b"")
+        address = np.frombuffer(value, dtype=np.uint8).ctypes.data
+        holder = (ctypes.c_ubyte * n).from_address(address)
+        holder._snapshot = self  # type: ignore[attr-defined]
+        return memoryview(holder).cast("B").toreadonly()
 
 
 class _Env:
-    """One open environment plus the read transaction that pins its views."""
+    """One open environment: fresh, verified snapshots and translated errors."""
 
-    def __init__(self, path: Path, create: bool) -> None:
-        size = (path / _DATA_FILE).stat().st_size if (path / _DATA_FILE).exists() else 0
+    def __init__(self, path: Path, env: Any) -> None:
         self.path = path
-        self.env = lmdb.open(
+        self.env = env
+        self.mutex = threading.Lock()
+        self.snapshot: _Snapshot | None = None
+        self.live: weakref.WeakSet[_Snapshot] = weakref.WeakSet()
+        self.verified = -1  # last transaction id whose file structure was checked
+
+    # Reading ------------------------------------------------------------------
+
+    def _current(self) -> _Snapshot:
+        """Return a snapshot of the last commit (call with ``mutex`` held)."""
+        snap = self.snapshot
+        last = int(self.env.info()["last_txnid"])
+        if snap is not None and snap.txnid == last:
+            return snap
+        self.snapshot = None  # the old one lives on only through its views
+        try:
+            txn = self.env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            if self.live:
+                raise StorageError(
+                    errno.EBUSY,
+                    f"{self.path} grew past this process's map while views of it are in "
+                    "use; drop them (close streams) and retry",
+                ) from None
+            self.env.set_mapsize(0)
+            txn = self.env.begin(buffers=True)
+        snap = _Snapshot(txn)
+        if snap.txnid != self.verified:
+            self._verify()
+            self.verified = snap.txnid
+        self.snapshot = snap
+        self.live.add(snap)
+        return snap
+
+    def _verify(self) -> None:
+        """Check the file's structure without mapping it; raise if damaged.
+
+        Runs under LMDB's writer lock where it can, so no commit changes the
+        file meanwhile; a read-only store is checked without it, and a
+        finding is trusted only if no commit happened during the check.
+        """
+        for _ in range(3):
+            locked = None
+            with contextlib.suppress(lmdb.Error):
+                locked = self.env.begin(write=True)
+            before = int(self.env.info()["last_txnid"])
+            try:
+                problems = lmdb.verify.verify(str(self.path))  # type: ignore[no-untyped-call]
+            except (lmdb.verify.VerifyError, OSError) as err:
+                problems = [str(err)]
+            finally:
+                if locked is not None:
+                    locked.abort()
+            if not problems:
+                return
+            if locked is not None or int(self.env.info()["last_txnid"]) == before:
+                raise _corrupt(self.path, "; ".join(problems[:3]))
+        raise _corrupt(self.path, "; ".join(problems[:3]))
+
+    def read(self, key: bytes) -> memoryview | None:
+        with self.mutex:
+            try:
+                snap = self._current()
+                value = snap.txn.get(key)
+            except lmdb.Error as err:
+                raise translate_error(err, self.path, "read") from err
+            return None if value is None else snap.pin(value)
+
+    def names(self) -> list[str]:
+        with self.mutex:
+            try:
+                snap = self._current()
+                return [bytes(k).decode() for k in snap.txn.cursor().iternext(values=False)]
+            except lmdb.Error as err:
+                raise translate_error(err, self.path, "listing") from err
+
+    # Writing ------------------------------------------------------------------
+
+    def write(self, key: bytes, data: bytes | memoryview, overwrite: bool) -> bool:
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return bool(txn.put(key, data, overwrite=overwrite))
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.Error as err:
+                raise translate_error(err, self.path, "write", needed=len(data)) from err
+
+    def delete(self, key: bytes) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.delete(key)
+        except lmdb.Error as err:
+            raise translate_error(err, self.path, "delete", needed=1) from err
+
+    def sync(self) -> None:
+        try:
+            self.env.sync(True)
+        except lmdb.Error as err:
+            raise translate_error(err, self.path, "sync", needed=1) from err
+
+    def _grow(self) -> None:
+        with self.mutex:
+            self.snapshot = None
+            if self.live:
+                raise StorageError(
+                    errno.ENOSPC,
+                    f"LMDB map of {self.path} is full and cannot grow while this "
+                    "process holds read views of it; close readers and retry",
+                )
+            self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    @property
+    def in_use(self) -> bool:
+        """Whether buffers read from this environment may still be alive."""
+        with self.mutex:
+            self.snapshot = None
+            return bool(self.live)
+
+    def close(self) -> None:
+        with self.mutex:
+            self.snapshot = None
+            self.env.close()
+
+
+# Environments set aside while views of them may be alive (file deleted or
+# replaced by another process, or deleted here); closed when no longer in use.
+_SET_ASIDE: list[_Env] = []
+_SET_ASIDE_LOCK = threading.Lock()
+_PARENTS: list[_Env] = []  # set aside by a parent process: never used or closed here
+
+
+def _set_aside(env: _Env) -> None:
+    with _SET_ASIDE_LOCK:
+        _SET_ASIDE.append(env)
+        keep = []
+        for old in _SET_ASIDE:
+            if old.in_use:
+                keep.append(old)
+            else:
+                old.close()
+        _SET_ASIDE[:] = keep
+
+
+def _stale(entry: lmdb_env.Entry) -> None:
+    _set_aside(entry.extra)
+
+
+def _after_fork() -> None:
+    global _SET_ASIDE_LOCK
+    _SET_ASIDE_LOCK = threading.Lock()
+    _PARENTS.extend(_SET_ASIDE)
+    _SET_ASIDE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _root_from_url(url: str) -> Path:
+    if url.startswith("file://"):
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise InvalidArgumentError(f"file URL {url!r} names a remote host")
+        return Path(unquote(parsed.path))
+    return Path(url)
+
+
+def _open(path: Path, create: bool) -> tuple[Any, _Env]:
+    data = path / _DATA_FILE
+    size = data.stat().st_size if data.exists() else 0
+    try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        lmdb_env.reserve_lock_file(str(path / _LOCK_FILE))
+        if not data.exists():
+            # LMDB writes two meta pages into a new file.
+            needed = 2 * (os.sysconf("SC_PAGE_SIZE") or 4096)
+            if lmdb_env.free_bytes(str(path)) < needed:
+                raise lmdb_env.disk_full_error(str(path), needed, "creating the data file")
+    except OSError as err:
+        if isinstance(err, StorageError):
+            raise
+        if err.errno == errno.ENOSPC:
+            raise lmdb_env.disk_full_error(str(path), 1, err) from err
+        raise StorageError(err.errno, f"cannot prepare LMDB environment {path}: {err}") from err
+    try:
+        env = lmdb.open(
             str(path),
             map_size=max(_INITIAL_MAP_SIZE, 2 * size),
             subdir=True,
@@ -59,89 +325,10 @@ class _Env:
             metasync=False,
             lock=True,
         )
-        self.mutex = threading.Lock()
-        self.txn: Any = None  # pinned read transaction (buffers stay valid)
-        self.retired: list[Any] = []  # older pinned transactions, kept alive
-
-    def read(self, key: bytes) -> memoryview | None:
-        with self.mutex:
-            if self.txn is None:
-                self.txn = self.env.begin(buffers=True)
-            value = self.txn.get(key)
-            if value is None:
-                # The value may have been committed after our snapshot began.
-                # Older views must stay valid, so keep the old transaction.
-                self.retired.append(self.txn)
-                self.txn = self.env.begin(buffers=True)
-                value = self.txn.get(key)
-            return value if value is None else memoryview(value)
-
-    def write(self, key: bytes, data: bytes | memoryview, overwrite: bool) -> bool:
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    done = bool(txn.put(key, data, overwrite=overwrite))
-                break
-            except lmdb.MapFullError:
-                self._grow()
-        self.refresh()
-        return done
-
-    def delete(self, key: bytes) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.delete(key)
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Make later reads see this process's writes; earlier views stay valid."""
-        with self.mutex:
-            if self.txn is not None:
-                self.retired.append(self.txn)
-                self.txn = None
-
-    def _grow(self) -> None:
-        with self.mutex:
-            if self.txn is not None or self.retired:
-                raise StorageError(
-                    errno.ENOSPC,
-                    f"LMDB map of {self.path} is full and cannot grow while this "
-                    "process holds read views of it; close readers and retry",
-                )
-            self.env.set_mapsize(self.env.info()["map_size"] * 2)
-
-    def close(self) -> None:
-        with self.mutex:
-            for txn in [*self.retired, self.txn]:
-                if txn is not None:
-                    txn.abort()
-            self.retired.clear()
-            self.txn = None
-            self.env.close()
-
-
-# Environments of this process, by absolute path. A fork child starts empty and
-# keeps the parent's objects unreferenced-but-alive: closing them would touch
-# the parent's locks.
-_ENVS: dict[str, _Env] = {}
-_ENVS_LOCK = threading.Lock()
-_INHERITED: list[_Env] = []
-
-
-def _after_fork() -> None:
-    _INHERITED.extend(_ENVS.values())
-    _ENVS.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork)
-
-
-def _root_from_url(url: str) -> Path:
-    if url.startswith("file://"):
-        parsed = urlparse(url)
-        if parsed.netloc not in ("", "localhost"):
-            raise InvalidArgumentError(f"file URL {url!r} names a remote host")
-        return Path(unquote(parsed.path))
-    return Path(url)
+    except lmdb.Error as err:
+        raise translate_error(err, path, "open", needed=1 if create else 0) from err
+    wrapped = _Env(path, env)
+    return env, wrapped
 
 
 class LmdbBackend(Backend):
@@ -160,22 +347,16 @@ class LmdbBackend(Backend):
         return (self.root / directory if directory else self.root), name.encode()
 
     def _env(self, path: Path, create: bool) -> _Env | None:
-        with _ENVS_LOCK:
-            env = _ENVS.get(str(path))
-            if env is not None:
-                return env
-            if not (path / _DATA_FILE).exists():
-                if not create:
-                    return None
-                path.mkdir(parents=True, exist_ok=True)
-            try:
-                env = _Env(path, create=create)
-            except lmdb.Error as err:
-                raise StorageError(
-                    errno.EIO, f"cannot open LMDB environment {path}: {err}"
-                ) from err
-            _ENVS[str(path)] = env
+        data = str(path / _DATA_FILE)
+        entry = lmdb_env.lookup(str(path), data, _stale)
+        if entry is not None:
+            env: _Env = entry.extra
             return env
+        if not create and not os.path.exists(data):
+            return None
+        entry = lmdb_env.acquire(str(path), data, lambda: _open(path, create), _stale)
+        opened: _Env = entry.extra
+        return opened
 
     def _get(self, key: str) -> Buffer:
         path, name = self._split(key)
@@ -194,23 +375,24 @@ class LmdbBackend(Backend):
             )
         return value[start : start + length]
 
-    def _put(self, key: str, data: bytes | memoryview) -> None:
+    def _writable(self, key: str) -> tuple[_Env, bytes]:
         path, name = self._split(key)
         env = self._env(path, create=True)
         if env is None:  # pragma: no cover - create=True always returns an env
             raise StorageError(errno.EIO, f"cannot create {path}")
+        return env, name
+
+    def _put(self, key: str, data: bytes | memoryview) -> None:
+        env, name = self._writable(key)
         env.write(name, data, overwrite=True)
 
     def _put_exclusive(self, key: str, data: bytes | memoryview) -> None:
-        path, name = self._split(key)
-        env = self._env(path, create=True)
-        if env is None:  # pragma: no cover - create=True always returns an env
-            raise StorageError(errno.EIO, f"cannot create {path}")
+        env, name = self._writable(key)
         # Everything written before (a dataset's chunks) is on disk before the
         # exclusive put (its manifest), and the put itself before we return.
-        env.env.sync(True)
+        env.sync()
         written = env.write(name, data, overwrite=False)
-        env.env.sync(True)
+        env.sync()
         if not written:
             raise KeyExistsError(errno.EEXIST, f"key {key!r} already exists in {self.root}")
 
@@ -233,9 +415,7 @@ class LmdbBackend(Backend):
             env = self._env(Path(dirpath), create=False)
             if env is None:
                 continue
-            with env.env.begin() as txn:
-                names = [bytes(k).decode() for k in txn.cursor().iternext(values=False)]
-            for name in names:
+            for name in env.names():
                 key = name if rel == "." else f"{rel}/{name}"
                 if key.startswith(prefix):
                     yield key
@@ -248,50 +428,69 @@ class LmdbBackend(Backend):
 
     def _delete_prefix(self, prefix: str) -> None:
         base = self.root / prefix.rstrip("/")
-        with _ENVS_LOCK:
-            for path in list(_ENVS):
-                if path == str(base) or path.startswith(str(base) + os.sep):
-                    env = _ENVS.pop(path)
-                    if env.txn is None and not env.retired:
-                        env.close()
-                    else:
-                        # Views of it may still be in use; the mapping stays
-                        # valid (unlinked file) until the process exits.
-                        _INHERITED.append(env)
+        for dirpath, _dirs, files in os.walk(base) if base.is_dir() else ():
+            if _DATA_FILE in files:
+                entry = lmdb_env.lookup(dirpath, os.path.join(dirpath, _DATA_FILE), _stale)
+                if entry is not None:
+                    lmdb_env.release(dirpath, entry)
+                    _set_aside(entry.extra)  # closed once no view of it is alive
         if base.is_dir():
-            shutil.rmtree(base, ignore_errors=False)
+            try:
+                shutil.rmtree(base)
+            except OSError as err:
+                raise StorageError(err.errno, f"cannot delete {base}: {err}") from err
+
+    def _disk_usage(self, prefix: str) -> int:
+        base = self.root / prefix.rstrip("/") if prefix else self.root
+        total = 0
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+        return total
 
     @contextlib.contextmanager
     def _lock(self, name: str, timeout: float | None) -> Iterator[None]:
         path = self.root / (name + _LOCK_SUFFIX)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            delay = 0.01
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise LockTimeoutError(
-                            f"lock {path} still held by another process after {timeout}s"
-                        ) from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.25)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise LockTimeoutError(
+                        f"lock {path} still held by another process after {timeout}s"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            # A holder may have deleted the lock file (``delete_lock``) while we
+            # waited: a lock on the unlinked file excludes nobody, so go again.
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _delete_lock(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / (name + _LOCK_SUFFIX)).unlink()
 
     def close(self) -> None:
         """Close the environments under this backend's root that have no live views."""
-        with _ENVS_LOCK:
-            for path in list(_ENVS):
-                if path.startswith(str(self.root)):
-                    env = _ENVS[path]
-                    if env.txn is None and not env.retired:
-                        _ENVS.pop(path).close()
+        for path in lmdb_env.keys_under(str(self.root)):
+            entry = lmdb_env.lookup(path, os.path.join(path, _DATA_FILE), _stale)
+            if entry is not None and not entry.extra.in_use:
+                lmdb_env.release(path, entry)
+                entry.extra.close()

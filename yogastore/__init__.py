@@ -24,7 +24,7 @@ from storage_backends.errors import (
 from yogastore.order import Shuffle
 from yogastore.progress import NullProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
-from yogastore.store import DatasetInfo, DatasetRef, Store
+from yogastore.store import DatasetInfo, DatasetRef, GcEntry, Store
 from yogastore.stream import Stream, StreamState
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "ComponentSpec",
     "CorruptCacheError",
     "DatasetInfo",
+    "GcEntry",
     "DatasetNotFoundError",
     "DatasetRef",
     "InvalidArgumentError",

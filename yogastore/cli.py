@@ -1,13 +1,20 @@
-"""Command line: ``python -m yogastore {list,info,verify,delete} [--store URL]``."""
+"""Command line: ``yogastore {list,info,verify,delete,du,gc} [--store URL]``.
+
+Also ``python -m yogastore``. Every failure is one ``error:`` line on stderr
+and exit code 1; ``verify`` exits 1 when any chunk is damaged, after naming
+each one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from storage_backends.errors import YogaStoreError
+from storage_backends.errors import CorruptCacheError, KeyNotFoundError, YogaStoreError
 from yogastore.format import ChunkView
 from yogastore.reader import verify_once
 from yogastore.store import Store
@@ -18,60 +25,134 @@ __all__ = ["main"]
 def _verify(store: Store, dataset_id: str, version: str) -> int:
     ref = store.open(dataset_id, version)
     columns = ref.manifest.columns()
+    damaged = 0
     for i, info in enumerate(ref.manifest.chunks):
-        data = store.backend.get(info.key)
-        verify_once(store.url + "#cli", ref.manifest, i, data)
-        ChunkView(data, columns, info.count, f"{ref.manifest.where} chunk {i} ({info.key})")
+        where = f"{ref.manifest.where} chunk {i} ({info.key})"
+        try:
+            data = store.backend.get(info.key)
+            verify_once(store.url + "#cli", ref.manifest, i, data)
+            ChunkView(data, columns, info.count, where)
+        except KeyNotFoundError:
+            damaged += 1
+            print(f"damaged: {where}: missing", file=sys.stderr)
+        except CorruptCacheError as err:
+            damaged += 1
+            print(f"damaged: {err}", file=sys.stderr)
+    if damaged:
+        print(
+            f"{dataset_id}/{version}: {damaged} of {len(ref.manifest.chunks)} chunks damaged; "
+            f"delete this version (yogastore delete {dataset_id} {version}) and build it again",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"{dataset_id}/{version}: {len(ref.manifest.chunks)} chunks, {ref.num_records} records OK"
     )
     return 0
 
 
+def _local_path(store: Store) -> Path | None:
+    if store.remote:
+        return None
+    from storage_backends.lmdb_backend import LmdbBackend
+
+    return store.backend.root if isinstance(store.backend, LmdbBackend) else None
+
+
+def _info(store: Store, dataset_id: str, version: str) -> int:
+    ref = store.open(dataset_id, version)
+    created = ref.manifest.created
+    when = created.get("time")
+    root = _local_path(store)
+    summary = {
+        "dataset_id": ref.dataset_id,
+        "version": ref.version,
+        "location": str(root / dataset_id / version)
+        if root
+        else f"{store.url}/{dataset_id}/{version}",
+        "num_records": ref.num_records,
+        "bytes": ref.nbytes,
+        "bytes_on_disk": store.backend.disk_usage(f"{dataset_id}/{version}/"),
+        "chunks": len(ref.manifest.chunks),
+        "build_id": ref.manifest.build_id,
+        "built_at": (
+            datetime.datetime.fromtimestamp(when, datetime.UTC).isoformat(timespec="seconds")
+            if isinstance(when, int | float) and 0 <= when < 1e11
+            else None
+        ),
+        "built_on": created.get("host"),
+        "build_in_progress": store.building(dataset_id, version),
+        "components": dict(
+            zip(ref.schema.paths, [c.to_json() for c in ref.schema.components], strict=True)
+        ),
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    store = Store(args.store)
+    root = _local_path(store)
+    if args.command in ("list", "du", "gc") and root is not None and not root.exists():
+        print(f"no store at {root} (nothing cached there yet)")
+        return 0
+    if args.command == "list":
+        for entry in store.list():
+            print(
+                f"{entry.dataset_id}\t{entry.version}\t{entry.num_records} records\t"
+                f"{entry.bytes / 1e6:.1f} MB"
+            )
+        return 0
+    if args.command == "du":
+        total = 0
+        for dataset_id, version in store.versions():
+            used = store.backend.disk_usage(f"{dataset_id}/{version}/")
+            total += used
+            print(f"{used / 1e6:10.1f} MB\t{dataset_id}/{version}")
+        print(f"{store.backend.disk_usage() / 1e6:10.1f} MB\ttotal ({store.url})")
+        return 0
+    if args.command == "gc":
+        removed = store.gc()
+        for gone in removed:
+            what = "leftover keys" if gone.committed else "uncommitted build"
+            print(
+                f"removed {what} of {gone.dataset_id}/{gone.version}: "
+                f"{gone.keys} keys, {gone.bytes / 1e6:.1f} MB"
+            )
+        print(f"gc: {len(removed)} versions cleaned")
+        return 0
+    if args.command == "info":
+        return _info(store, args.dataset_id, args.version)
+    if args.command == "verify":
+        return _verify(store, args.dataset_id, args.version)
+    store.delete(args.dataset_id, args.version)
+    print(f"deleted {args.dataset_id}/{args.version}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m yogastore", description=__doc__)
-    parser.add_argument("--store", default=None, help="store URL (default: $YOGASTORE_HOME)")
+    parser = argparse.ArgumentParser(prog="yogastore", description=__doc__)
+    store_help = "store URL (default: $YOGASTORE_HOME or ~/.cache/yogastore)"
+    parser.add_argument("--store", default=None, help=store_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list cached dataset versions")
-    for name, text in (
-        ("info", "print a dataset's manifest summary"),
-        ("verify", "check every chunk's checksum and structure"),
-        ("delete", "delete a dataset version"),
+    for name, text, with_version in (
+        ("list", "list cached dataset versions", False),
+        ("info", "print a dataset version's summary", True),
+        ("verify", "check every chunk; name each damaged one", True),
+        ("delete", "delete a dataset version, its leftovers and lock", True),
+        ("du", "size on disk of every version", False),
+        ("gc", "remove leftovers of dead builds (never a build in progress)", False),
     ):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("dataset_id")
-        cmd.add_argument("version")
+        # Accepted after the command too; the default keeps the one given before.
+        cmd.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
+        if with_version:
+            cmd.add_argument("dataset_id")
+            cmd.add_argument("version")
     args = parser.parse_args(argv)
     try:
-        store = Store(args.store)
-        if args.command == "list":
-            for entry in store.list():
-                print(
-                    f"{entry.dataset_id}\t{entry.version}\t{entry.num_records} records\t"
-                    f"{entry.bytes / 1e6:.1f} MB"
-                )
-            return 0
-        if args.command == "info":
-            ref = store.open(args.dataset_id, args.version)
-            summary = {
-                "dataset_id": ref.dataset_id,
-                "version": ref.version,
-                "num_records": ref.num_records,
-                "bytes": ref.nbytes,
-                "chunks": len(ref.manifest.chunks),
-                "build_id": ref.manifest.build_id,
-                "components": dict(
-                    zip(ref.schema.paths, [c.to_json() for c in ref.schema.components], strict=True)
-                ),
-            }
-            print(json.dumps(summary, indent=2))
-            return 0
-        if args.command == "verify":
-            return _verify(store, args.dataset_id, args.version)
-        store.delete(args.dataset_id, args.version)
-        print(f"deleted {args.dataset_id}/{args.version}")
-        return 0
-    except YogaStoreError as err:
+        return _run(args)
+    except (YogaStoreError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

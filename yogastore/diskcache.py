@@ -24,7 +24,6 @@ import errno
 import logging
 import os
 import struct
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import lmdb
 import xxhash
 
+from storage_backends import lmdb_env
 from storage_backends.errors import StorageError
 from yogastore.manifest import ChunkInfo
 
@@ -50,22 +50,11 @@ _TOTAL_KEY = b"total"
 _ENTRY_OVERHEAD = 160  # LMDB bytes per entry beyond its value, roughly
 _MIB = 1 << 20
 
-# Open environments of this process with their named databases, by path:
-# py-lmdb must not open one file twice in a process, nor use an environment
-# inherited across fork. The databases are opened once, with the environment:
-# ``open_db`` without a transaction waits for LMDB's writer lock without
-# letting other threads run, so it deadlocks against a thread in a write.
-_ENVS: dict[str, tuple[Any, Any, Any, Any]] = {}
-_ENVS_LOCK = threading.Lock()
-# Open in a parent process: never used or closed here.
-_INHERITED: dict[str, tuple[Any, Any, Any, Any]] = {}
-
-
-def _after_fork() -> None:
-    global _ENVS_LOCK
-    _ENVS_LOCK = threading.Lock()  # a parent thread may have held it
-    _INHERITED.update(_ENVS)
-    _ENVS.clear()
+# The databases are opened once, with the environment (kept as the registry
+# entry's ``extra``): ``open_db`` without a transaction waits for LMDB's writer
+# lock without letting other threads run, so it deadlocks against a thread in
+# a write. Environments are held in the one registry of this process
+# (``storage_backends.lmdb_env``), which sets aside those inherited across fork.
 
 
 def _forked_error(path: str) -> StorageError:
@@ -77,7 +66,22 @@ def _forked_error(path: str) -> StorageError:
     )
 
 
-os.register_at_fork(after_in_child=_after_fork)
+def _open_env(key: str, limit: int) -> tuple[Any, Any]:
+    lmdb_env.reserve_lock_file(key + "-lock")
+    env = lmdb.open(
+        key,
+        subdir=False,
+        map_size=2 * limit + 64 * _MIB,
+        max_dbs=4,
+        readahead=False,
+        sync=False,
+        metasync=False,
+        max_readers=1024,
+        lock=True,
+    )
+    with env.begin(write=True) as txn:
+        dbs = tuple(env.open_db(n, txn=txn) for n in (b"data", b"meta", b"lru"))
+    return env, dbs
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,26 +136,12 @@ class DiskCache:
         directory.mkdir(parents=True, exist_ok=True)
         key = str(self.path.resolve())
         self._pid = os.getpid()
-        with _ENVS_LOCK:
-            if key in _INHERITED:
-                raise _forked_error(key)
-            opened = _ENVS.get(key)
-            if opened is None:
-                env = lmdb.open(
-                    key,
-                    subdir=False,
-                    map_size=2 * limit + 64 * _MIB,
-                    max_dbs=4,
-                    readahead=False,
-                    sync=False,
-                    metasync=False,
-                    max_readers=1024,
-                    lock=True,
-                )
-                with env.begin(write=True) as txn:
-                    data, meta, lru = (env.open_db(n, txn=txn) for n in (b"data", b"meta", b"lru"))
-                opened = (env, data, meta, lru)
-                _ENVS[key] = opened
+        # A child of a process that had the file open keeps refusing it: its
+        # users (the remote source) read around the cache there.
+        if lmdb_env.was_inherited(key):
+            raise _forked_error(key)
+        entry = lmdb_env.acquire(key, key, lambda: _open_env(key, limit))
+        opened = (entry.env, *entry.extra)
         self._env: Any = opened[0]
         self.data_db: Any = opened[1]
         self.meta_db: Any = opened[2]

@@ -42,6 +42,7 @@ import numpy.typing as npt
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore import boundedjson
 from yogastore.agreement import AllGather, check_agreement
 from yogastore.keras_callback import PositionCallback
 from yogastore.launchers import dataset_fn, horovod_dataset, horovod_stream
@@ -312,7 +313,7 @@ class StreamPosition(tf.train.experimental.PythonState):  # type: ignore[misc]
             string_value = string_value.numpy()
         text = string_value
         try:
-            doc = json.loads(text)
+            doc = boundedjson.loads(text, "stream position", InvalidArgumentError)
             if doc.get("yogastore_position") != _POSITION_VERSION:
                 raise ValueError("not a yogastore position of a known version")
             state = StreamState.from_json(json.dumps(doc["state"]))

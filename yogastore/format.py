@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from storage_backends.errors import CorruptCacheError, UnsupportedElementError
+from yogastore import boundedjson
 from yogastore.spec import STRING, ComponentSpec, Kind, numpy_dtype
 
 try:  # the compiled row gather; without it FixedRows uses one numpy fancy index
@@ -295,10 +296,9 @@ def parse_header(prefix: bytes | memoryview, total: int, where: str) -> dict[str
         raise CorruptCacheError(f"{where}: bad chunk magic {bytes(magic)!r}")
     if length > _MAX_HEADER or _PREFIX.size + length > len(prefix):
         raise CorruptCacheError(f"{where}: chunk header length {length} is out of bounds")
-    try:
-        header = json.loads(bytes(prefix[_PREFIX.size : _PREFIX.size + length]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptCacheError(f"{where}: chunk header is not valid JSON: {err}") from err
+    header = boundedjson.loads(
+        prefix[_PREFIX.size : _PREFIX.size + length], f"{where}: chunk header", CorruptCacheError
+    )
     if not isinstance(header, dict) or not isinstance(header.get("cols"), list):
         raise CorruptCacheError(f"{where}: chunk header lacks a column table")
     end = header.get("index_end")

@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from storage_backends.errors import CorruptCacheError, InvalidArgumentError
+from yogastore import boundedjson
 from yogastore.format import ColumnSpec, columns_for
 from yogastore.spec import Schema
 
@@ -136,10 +137,7 @@ class Manifest:
             where: text naming the dataset for error messages.
             prefix: the key prefix every chunk key must start with.
         """
-        try:
-            doc = json.loads(bytes(data))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CorruptCacheError(f"{where}: manifest is not valid JSON: {err}") from err
+        doc = boundedjson.loads(data, f"{where}: manifest", CorruptCacheError)
         if not isinstance(doc, dict) or doc.get("format") != "yogastore":
             raise CorruptCacheError(f"{where}: manifest is not a yogastore manifest")
         if doc.get("format_version") != FORMAT_VERSION:

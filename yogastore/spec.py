@@ -24,11 +24,21 @@ from storage_backends.errors import CorruptCacheError, UnsupportedElementError
 __all__ = [
     "ComponentSpec",
     "Kind",
+    "MAX_DIM",
+    "MAX_ELEMENTS",
+    "MAX_RANK",
     "RaggedValue",
     "Schema",
     "SparseValue",
     "numpy_dtype",
 ]
+
+#: Largest size of one dimension of a record's shape.
+MAX_DIM = 2**31 - 1
+#: Most elements in one record of a known-shape component (2**40: 8 TiB of int64).
+MAX_ELEMENTS = 2**40
+#: Most dimensions of a record's shape.
+MAX_RANK = 32
 
 _PLAIN_DTYPES = (
     "bool",
@@ -106,9 +116,25 @@ class ComponentSpec:
             raise UnsupportedElementError(
                 f"dtype {self.dtype!r} is not supported; supported: {sorted(DTYPES)}"
             )
+        if not isinstance(self.shape, tuple) or len(self.shape) > MAX_RANK:
+            raise UnsupportedElementError(
+                f"shape {self.shape!r} is not a tuple of <= {MAX_RANK} dims"
+            )
+        elements = 1
         for d in self.shape:
-            if d is not None and (not isinstance(d, int) or d < 0):
-                raise UnsupportedElementError(f"shape {self.shape} has an invalid dimension {d!r}")
+            if d is not None and (
+                isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DIM
+            ):
+                raise UnsupportedElementError(
+                    f"shape {self.shape} has an invalid dimension {d!r} (each must be an "
+                    f"integer in [0, {MAX_DIM}] or None)"
+                )
+            elements *= d or 1
+        if elements > MAX_ELEMENTS:
+            raise UnsupportedElementError(
+                f"shape {self.shape} holds {elements} elements per record (at most "
+                f"{MAX_ELEMENTS} accepted)"
+            )
         if self.kind is Kind.RAGGED:
             if not 0 <= self.ragged_rank < max(len(self.shape), 1):
                 raise UnsupportedElementError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
 import logging
@@ -18,6 +19,7 @@ from storage_backends.errors import (
     KeyExistsError,
     KeyNotFoundError,
     LockLostError,
+    LockTimeoutError,
     StorageError,
 )
 from yogastore.buildcheck import (
@@ -37,7 +39,7 @@ from yogastore.spec import ComponentSpec, Schema
 from yogastore.stream import Stream, StreamState
 from yogastore.writer import new_build_id, records_from_iterable, write_dataset
 
-__all__ = ["DatasetInfo", "DatasetRef", "Store", "default_root"]
+__all__ = ["DatasetInfo", "DatasetRef", "GcEntry", "Store", "default_root"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,25 @@ def default_root() -> Path:
     """Return ``$YOGASTORE_HOME``, else ``~/.cache/yogastore``."""
     home = os.environ.get("YOGASTORE_HOME")
     return Path(home).expanduser() if home else Path.home() / ".cache" / "yogastore"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GcEntry:
+    """What ``Store.gc()`` removed from one dataset version.
+
+    Attributes:
+        dataset_id: the dataset.
+        version: the version.
+        keys: keys removed.
+        bytes: bytes freed (values; on disk for a whole local version).
+        committed: whether the version has a manifest (only leftovers went).
+    """
+
+    dataset_id: str
+    version: str
+    keys: int
+    bytes: int
+    committed: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,7 +200,7 @@ class DatasetRef:
 
     def resume(
         self,
-        state: StreamState | str,
+        state: StreamState | str | bytes,
         shard_rank: int = 0,
         num_shards: int = 1,
         *,
@@ -194,8 +215,12 @@ class DatasetRef:
         ``num_epochs`` allows, the following epochs in their usual order.
         ``num_shards`` may differ from the count the state was taken with.
         """
-        if isinstance(state, str):
-            state = StreamState.from_json(state)
+        if isinstance(state, str | bytes | bytearray):
+            state = StreamState.from_json(bytes(state) if not isinstance(state, str) else state)
+        elif not isinstance(state, StreamState):
+            raise InvalidArgumentError(
+                f"resume state must be a StreamState or its JSON text, got {type(state).__name__}"
+            )
         if state.dataset != self.fingerprint or state.num_records != self.num_records:
             raise InvalidArgumentError(
                 f"resume state belongs to {state.dataset!r} ({state.num_records} records), "
@@ -506,16 +531,17 @@ class Store:
         return decorate
 
     def list(self) -> list[DatasetInfo]:
-        """Return every committed dataset version in this store."""
+        """Return every committed dataset version in this store.
+
+        A version whose manifest is damaged is skipped with a warning (``verify``
+        and ``delete`` name it); builds without a manifest are not listed.
+        """
         out = []
-        for key in self.backend.list(""):
-            parts = key.split("/")
-            if len(parts) != 3 or parts[2] != MANIFEST:
-                continue
+        for dataset_id, version in self.versions():
             try:
-                manifest = self._read_manifest(parts[0], parts[1])
+                manifest = self._read_manifest(dataset_id, version)
             except CorruptCacheError as err:
-                logger.warning("skipping %s: %s", key, err)
+                logger.warning("skipping %s/%s: %s", dataset_id, version, err)
                 continue
             if manifest is not None:
                 out.append(
@@ -525,18 +551,95 @@ class Store:
                 )
         return out
 
+    def versions(self) -> builtins.list[tuple[str, str]]:
+        """Return the (dataset id, version) pairs that have keys, committed or not, sorted."""
+        found = set()
+        for key in self.backend.list(""):
+            parts = key.split("/")
+            if len(parts) == 3:
+                found.add((parts[0], parts[1]))
+        return sorted(found)
+
+    def building(self, dataset_id: str, version: str = "1") -> bool:
+        """Return whether a build of this version holds its lock right now.
+
+        Takes the lock for an instant when it is free (on an object store that
+        writes and deletes the lock object).
+        """
+        validate_name(dataset_id, "dataset id")
+        validate_name(version, "version")
+        try:
+            with self.backend.lock(f"{dataset_id}/{version}", timeout=0):
+                return False
+        except LockTimeoutError:
+            return True
+
     def delete(self, dataset_id: str, version: str = "1") -> None:
-        """Delete a dataset version (manifest first, so readers never see half of it)."""
+        """Delete every trace of a dataset version.
+
+        The manifest goes first (readers never see half a dataset), then the
+        chunks of every build of it, committed or not, then its directory and
+        lock. Waits for a build in progress (up to ``lock_timeout``).
+
+        Raises:
+            DatasetNotFoundError: nothing of that version is in the store.
+            LockTimeoutError: a build kept the lock past ``lock_timeout``.
+        """
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
         prefix = f"{dataset_id}/{version}/"
-        if not self.backend.exists(prefix + MANIFEST):
+        name = f"{dataset_id}/{version}"
+        with self.backend.lock(name, timeout=self.lock_timeout):
+            keys = self.backend.list(prefix)
+            if prefix + MANIFEST in keys:
+                self.backend.delete(prefix + MANIFEST)
+            self.backend.delete_prefix(prefix)
+            self.backend.delete_lock(name)
+        if not keys:
             raise DatasetNotFoundError(
                 f"no dataset {dataset_id!r} version {version!r} in {self.url}"
             )
-        with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
-            self.backend.delete(prefix + MANIFEST)
-            self.backend.delete_prefix(prefix)
+
+    def gc(self) -> builtins.list[GcEntry]:
+        """Remove what dead builds left behind, in every dataset version.
+
+        A version without a manifest (its build died or failed) is deleted
+        whole; a committed version loses the keys its manifest does not name.
+        A version whose lock is held (a build in progress) is not touched, and
+        neither is one whose manifest is damaged (``verify`` and ``delete``
+        deal with it).
+
+        Returns:
+            One entry per version something was removed from.
+        """
+        removed = []
+        for dataset_id, version in self.versions():
+            name = f"{dataset_id}/{version}"
+            prefix = name + "/"
+            try:
+                with self.backend.lock(name, timeout=0):
+                    try:
+                        manifest = self._read_manifest(dataset_id, version)
+                    except CorruptCacheError as err:
+                        logger.warning("gc: leaving %s alone: %s", name, err)
+                        continue
+                    keys = self.backend.list(prefix)
+                    if manifest is None:
+                        freed = self.backend.disk_usage(prefix)
+                        self.backend.delete_prefix(prefix)
+                        self.backend.delete_lock(name)
+                        removed.append(GcEntry(dataset_id, version, len(keys), freed, False))
+                        continue
+                    keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
+                    stale = [key for key in keys if key not in keep]
+                    freed = sum(self.backend.size(key) for key in stale)
+                    for key in stale:
+                        self.backend.delete(key)
+                    if stale:
+                        removed.append(GcEntry(dataset_id, version, len(stale), freed, True))
+            except LockTimeoutError:
+                logger.info("gc: %s is being built; left alone", name)
+        return removed
 
     def copy(self, dataset_id: str, version: str = "1", *, to: Store) -> DatasetRef:
         """Copy a dataset version to another store, verifying every chunk's checksum."""

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore import boundedjson
 from yogastore.assemble import batch_components, element_components
 from yogastore.order import (
     BlockShuffleOrder,
@@ -111,7 +112,9 @@ class StreamState:
             InvalidArgumentError: the text is not a valid state.
         """
         try:
-            doc = json.loads(text)
+            doc = boundedjson.loads(text, "stream state", InvalidArgumentError)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
             version = doc.get("yogastore_state")
             if version == 1:
                 raise ValueError(
