@@ -51,6 +51,7 @@ from storage_backends.base import Backend, Buffer
 from storage_backends.errors import (
     AccessDeniedError,
     BackendUnavailableError,
+    CorruptCacheError,
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
@@ -311,6 +312,12 @@ class S3Backend(Backend):
             try:
                 data: bytes = resp["Body"].read()
             except (bce.BotoCoreError, OSError) as err:
+                if attempt == attempts and isinstance(err, bce.FlexibleChecksumError):
+                    raise CorruptCacheError(
+                        f"reading {key!r} in {self.where}: the response failed the checksum "
+                        f"the server sent {attempts} times; the stored object or the network "
+                        f"path corrupts data: {err}"
+                    ) from err
                 if attempt == attempts:
                     raise StorageError(
                         errno.EIO,

@@ -68,11 +68,9 @@ import numpy as np
 
 from storage_backends import Backend
 from storage_backends.errors import (
-    BackendUnavailableError,
     CorruptCacheError,
     InvalidArgumentError,
     KeyNotFoundError,
-    StorageError,
 )
 from yogastore.blocks import BlockSums
 from yogastore.diskcache import DiskCache
@@ -628,7 +626,8 @@ class RemoteChunkSource:
 
         A response that fails its block checksums, comes back short, or is
         refused as past the end is fetched again, ``_ATTEMPTS`` times in all,
-        then reported as ``CorruptCacheError`` saying which it was.
+        then reported as ``CorruptCacheError`` saying which it was. Failed
+        requests and broken bodies are the backend's to retry (bounded there).
         """
         where = self._where(job.state)
         key = job.state.info.key
@@ -651,13 +650,6 @@ class RemoteChunkSource:
                         f"{job.state.info.nbytes} bytes the manifest records: {err}"
                     ) from err
                 problem = f"range refused or short: {err}"
-                continue
-            except BackendUnavailableError:
-                raise
-            except StorageError as err:
-                if attempt == _ATTEMPTS:
-                    raise
-                problem = f"read failed: {err}"
                 continue
             if len(data) != end - start:
                 problem = f"short response ({len(data)} of {end - start} bytes)"
