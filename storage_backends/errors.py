@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AccessDeniedError",
     "BackendUnavailableError",
+    "CoordinationError",
     "CorruptCacheError",
     "DatasetNotFoundError",
     "InvalidArgumentError",
@@ -74,3 +75,11 @@ class LockLostError(StorageError):
 
 class LockTimeoutError(YogaStoreError, TimeoutError):
     """Waiting for another builder took longer than allowed."""
+
+
+class CoordinationError(StorageError):
+    """The object store does not enforce the conditional writes that coordinate builders.
+
+    Raised before a build on such a store, unless the store was opened with
+    ``coordination="single-writer"`` (safe only with one builder at a time).
+    """

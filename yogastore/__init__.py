@@ -9,6 +9,7 @@ from __future__ import annotations
 from storage_backends.errors import (
     AccessDeniedError,
     BackendUnavailableError,
+    CoordinationError,
     CorruptCacheError,
     DatasetNotFoundError,
     InvalidArgumentError,
@@ -18,6 +19,7 @@ from storage_backends.errors import (
     UnsupportedElementError,
     YogaStoreError,
 )
+from storage_backends.s3_options import Coordination
 from yogastore.order import Shuffle
 from yogastore.progress import NullProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
@@ -30,6 +32,8 @@ __all__ = [
     "AccessDeniedError",
     "BackendUnavailableError",
     "ComponentSpec",
+    "Coordination",
+    "CoordinationError",
     "CorruptCacheError",
     "DatasetInfo",
     "DatasetNotFoundError",

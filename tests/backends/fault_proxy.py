@@ -40,6 +40,8 @@ class FaultProxy:
         rates: probability of each fault (keys from ``FAULTS``) per matching GET.
         target: regular expression a request path must match to get faults.
         seed: seed of the fault generator.
+        batch_delete: ``False`` answers ``DeleteObjects`` with ``501 NotImplemented``,
+            as some S3-compatible stores do.
     """
 
     def __init__(
@@ -48,7 +50,9 @@ class FaultProxy:
         rates: dict[str, float] | None = None,
         target: str = r"/c-[0-9a-f]+-\d+$",
         seed: int = 0,
+        batch_delete: bool = True,
     ) -> None:
+        self.batch_delete = batch_delete
         parsed = urllib.parse.urlsplit(upstream)
         self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rates = dict(rates or {})
@@ -98,9 +102,27 @@ class FaultProxy:
                 roll -= rate
         return None
 
+    @staticmethod
+    def _error(handler: http.server.BaseHTTPRequestHandler, code: int, name: str) -> None:
+        text = (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{name}</Code>'
+            f"<Message>injected</Message></Error>"
+        ).encode()
+        handler.send_response(code)
+        handler.send_header("Content-Type", "application/xml")
+        handler.send_header("Content-Length", str(len(text)))
+        handler.end_headers()
+        handler.wfile.write(text)
+
     def _forward(self, handler: http.server.BaseHTTPRequestHandler) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else None
+        query = urllib.parse.urlsplit(handler.path).query
+        if not self.batch_delete and handler.command == "POST" and "delete" in query.split("&"):
+            with self._lock:
+                self.counts["not_implemented"] += 1
+            self._error(handler, 501, "NotImplemented")
+            return
         headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP}
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
@@ -122,19 +144,11 @@ class FaultProxy:
         if fault == "reset":
             handler.close_connection = True
             return
-        if fault in ("error", "past_end"):
-            code, name = (503, "SlowDown") if fault == "error" else (416, "InvalidRange")
-            if fault == "past_end":
-                code = 400  # as some S3-compatible servers answer
-            text = (
-                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{name}</Code>'
-                f"<Message>injected</Message></Error>"
-            ).encode()
-            handler.send_response(code)
-            handler.send_header("Content-Type", "application/xml")
-            handler.send_header("Content-Length", str(len(text)))
-            handler.end_headers()
-            handler.wfile.write(text)
+        if fault == "error":
+            self._error(handler, 503, "SlowDown")
+            return
+        if fault == "past_end":  # 400, as some S3-compatible servers answer
+            self._error(handler, 400, "InvalidRange")
             return
         if fault == "flip":
             pos = self._rng.randrange(len(data))
