@@ -197,6 +197,7 @@ class RemoteChunkSource:
         self._resident = 0
         self._need = np.zeros(len(manifest.chunks), dtype=np.int64)
         self._handed: dict[int, Planned] = {}
+        self._counted: set[Planned] = set()  # planned batches within the horizon
         self._lock = threading.Lock()
         self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._prep_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -239,6 +240,7 @@ class RemoteChunkSource:
         self._resident = 0
         self._need = np.zeros(len(self.manifest.chunks), dtype=np.int64)
         self._handed = {}
+        self._counted = set()
         self._reopen = self._reopen or self.cache is not None
         self.cache = None
 
@@ -302,11 +304,12 @@ class RemoteChunkSource:
                     except StopIteration:
                         exhausted = True
                         break
-                    which, _ = locate(self.manifest, self._starts, records)
+                    which, local = locate(self.manifest, self._starts, records)
                     chunks, counts = np.unique(which, return_counts=True)
-                    item = Planned(records, chunks, counts.astype(np.int64))
+                    item = Planned(records, chunks, counts.astype(np.int64), which, local)
                     with self._lock:
                         self._need[chunks] += item.counts
+                        self._counted.add(item)
                     ahead.append(item)
                     queued += len(records)
                     if len(ahead) <= window:
@@ -349,6 +352,7 @@ class RemoteChunkSource:
             if item.counted:
                 self._need[item.chunks] -= item.counts
                 item.counted = False
+                self._counted.discard(item)
 
     def _prep(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -449,6 +453,7 @@ class RemoteChunkSource:
                 self._install_whole(job)
             for job in index_jobs:
                 self._install_index(job)
+            wanted = self._with_upcoming(states, chunks, wanted)
             data_jobs, missing_sets = record_jobs(
                 states, wanted, self._columns, self.options.coalesce_gap, self.options.overfetch
             )
@@ -466,6 +471,31 @@ class RemoteChunkSource:
                     raise CorruptCacheError(f"{self._where(state)}: chunk was not loaded")
                 views.append(state.view)
         return views, inverse, local
+
+    def _with_upcoming(
+        self, states: list[ChunkState], chunks: IntArray, wanted: list[IntArray]
+    ) -> list[IntArray]:
+        """Add, for chunks read by ranges, the records of them the planned batches need.
+
+        One round of ranged reads per chunk then serves every batch of the
+        look-ahead horizon (block shuffle mixes a window of chunks, so a
+        chunk's records come in many batches), instead of one round per batch.
+        """
+        ranged = [i for i, st in enumerate(states) if not st.whole and st.have is not None]
+        if not ranged:
+            return wanted
+        with self._lock:
+            items = [it for it in self._counted if it.which is not None and it.local is not None]
+        if not items:
+            return wanted
+        which = np.concatenate([it.which for it in items if it.which is not None])
+        local = np.concatenate([it.local for it in items if it.local is not None])
+        out = list(wanted)
+        for i in ranged:
+            extra = local[which == chunks[i]]
+            if len(extra):
+                out[i] = np.union1d(wanted[i], extra)
+        return out
 
     def _install_whole(self, job: Job) -> None:
         state = job.state

@@ -175,6 +175,8 @@ class Planned:
     records: IntArray
     chunks: IntArray
     counts: IntArray
+    which: IntArray | None = None  # chunk of each record
+    local: IntArray | None = None  # index of each record within its chunk
     counted: bool = True
     future: concurrent.futures.Future[None] | None = None
 
