@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--chunk-kib", type=int, default=256)
+    p.add_argument("--shuffles", default="block,global", help="comma list of block,global")
+    p.add_argument(
+        "--warm", action="store_true", help="time reads served by a warmed disk cache instead"
+    )
     args = p.parse_args(argv)
 
     for name, value in (
@@ -63,20 +68,33 @@ def main(argv: list[str] | None = None) -> int:
         "x": y.ComponentSpec(shape=(args.record_bytes,), dtype="uint8"),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        store = y.Store("s3://bench/b", endpoint_url=endpoint, cache_dir=Path(tmp), cache_bytes=0)
+        cache_bytes = (1 << 30) if args.warm else 0
+        store = y.Store(
+            "s3://bench/b",
+            endpoint_url=endpoint,
+            cache_dir=Path(tmp),
+            cache_bytes=cache_bytes,
+            chunk_bytes=args.chunk_kib << 10,
+        )
         store.cache("ds", "1", items, spec=spec, progress=y.NullProgress())
-        for shuffle in (y.Shuffle.BLOCK, y.Shuffle.GLOBAL):
+        for shuffle in [y.Shuffle(v.strip()) for v in args.shuffles.split(",") if v.strip()]:
             times, stats = [], {}
-            for repeat in range(args.repeats):
+            for repeat in range(args.repeats + args.warm):
                 ref = y.Store(
-                    "s3://bench/b", endpoint_url=endpoint, cache_dir=Path(tmp), cache_bytes=0
+                    "s3://bench/b",
+                    endpoint_url=endpoint,
+                    cache_dir=Path(tmp),
+                    cache_bytes=cache_bytes,
                 ).open("ds", "1")
-                stream = ref.stream(0, args.shards, shuffle=shuffle, seed=repeat)
+                # Warm: the same epoch each time, the first run (untimed) fills the cache.
+                seed = 0 if args.warm else repeat
+                stream = ref.stream(0, args.shards, shuffle=shuffle, seed=seed)
                 started = time.perf_counter()
                 n = 0
                 for batch in stream.batches(args.batch_size):
                     n += len(batch["id"])
-                times.append(time.perf_counter() - started)
+                if not (args.warm and repeat == 0):
+                    times.append(time.perf_counter() - started)
                 stats = stream.stats()
             t = statistics.median(times)
             rate = n * args.record_bytes / t / 1e6
@@ -84,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{shuffle.value:6s} {n / t:10.0f} records/s {rate:8.1f} MB/s  "
                 f"requests {stats['requests']}  fetched {fetched:.1f} MB  "
+                f"hits {stats['cache_hits']}  "
                 f"(median of {args.repeats}: {t:.2f} s)"
             )
     try:
