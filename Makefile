@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
+S3RVER := tests/s3rver/node_modules/.installed
 
 .PHONY: demo test lint typecheck unit bench horovod clean
 
@@ -33,7 +34,13 @@ lint: $(STAMP_TEST)
 typecheck: $(STAMP_TEST)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP_TEST)
+# s3rver: a second S3 implementation the S3 tests also run against (skipped without npm).
+$(S3RVER): tests/s3rver/package.json tests/s3rver/package-lock.json
+	if command -v npm >/dev/null; then \
+		cd tests/s3rver && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else echo "npm not found: the s3rver tests will be skipped"; fi
+
+unit: $(STAMP_TEST) $(S3RVER)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: $(STAMP_TEST) horovod lint typecheck unit

@@ -12,6 +12,7 @@ __all__ = [
     "AccessDeniedError",
     "BackendUnavailableError",
     "BuildLimitError",
+    "CoordinationError",
     "CorruptCacheError",
     "DatasetNotFoundError",
     "InvalidArgumentError",
@@ -89,3 +90,9 @@ class BuildLimitError(YogaStoreError, ValueError):
 
 class RankMismatchError(YogaStoreError, RuntimeError):
     """Distributed ranks disagree on a setting that must be equal on every rank."""
+class CoordinationError(StorageError):
+    """The object store does not enforce the conditional writes that coordinate builders.
+
+    Raised before a build on such a store, unless the store was opened with
+    ``coordination="single-writer"`` (safe only with one builder at a time).
+    """

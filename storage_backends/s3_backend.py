@@ -51,12 +51,13 @@ from storage_backends.base import Backend, Buffer
 from storage_backends.errors import (
     AccessDeniedError,
     BackendUnavailableError,
+    CorruptCacheError,
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
     StorageError,
 )
-from storage_backends.s3_options import MIN_PART, S3Options
+from storage_backends.s3_options import MIN_PART, Coordination, S3Options
 
 if TYPE_CHECKING:
     from storage_backends.s3_lock import S3Lock
@@ -311,6 +312,12 @@ class S3Backend(Backend):
             try:
                 data: bytes = resp["Body"].read()
             except (bce.BotoCoreError, OSError) as err:
+                if attempt == attempts and isinstance(err, bce.FlexibleChecksumError):
+                    raise CorruptCacheError(
+                        f"reading {key!r} in {self.where}: the response failed the checksum "
+                        f"the server sent {attempts} times; the stored object or the network "
+                        f"path corrupts data: {err}"
+                    ) from err
                 if attempt == attempts:
                     raise StorageError(
                         errno.EIO,
@@ -507,9 +514,22 @@ class S3Backend(Backend):
         keys = list(self._list(prefix))
         for i in range(0, len(keys), 1000):
             batch = [{"Key": self._full(k)} for k in keys[i : i + 1000]]
-            resp = self._call(
-                "deleting under", prefix, "delete_objects", Delete={"Objects": batch, "Quiet": True}
-            )
+            try:
+                resp = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+            except bce.ClientError as err:
+                code = str(err.response.get("Error", {}).get("Code", ""))
+                status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code != "NotImplemented" and status != 501:
+                    raise self._translate(err, "deleting under", prefix) from err
+                # Some S3-compatible stores lack the batch call: one DELETE per key.
+                logger.info("%s has no DeleteObjects; deleting one key at a time", self.where)
+                for k in keys[i:]:
+                    self._call("deleting", k, "delete_object", Key=self._full(k))
+                return
+            except bce.BotoCoreError as err:
+                raise self._translate(err, "deleting under", prefix) from err
             errors = resp.get("Errors") or []
             if errors:
                 raise StorageError(
@@ -518,9 +538,23 @@ class S3Backend(Backend):
                     f"first: {errors[0]}",
                 )
 
+    @property
+    def coordinated(self) -> bool:
+        """Whether builders are kept apart by enforced conditional writes.
+
+        False with ``coordination="single-writer"``: the store is trusted to
+        have one writer, and leftovers of other builds are not swept.
+        """
+        return self.options.coordination is Coordination.PROBE
+
     def _lock(self, name: str, timeout: float | None) -> contextlib.AbstractContextManager[None]:
         from storage_backends.s3_lock import S3Lock
+        from storage_backends.s3_probe import check_conditional_writes
 
+        # Locks guard builds (and copies, deletes): first make sure the store
+        # enforces the conditional writes they rest on. Reads never get here.
+        if self.options.coordination is Coordination.PROBE:
+            check_conditional_writes(self)
         return S3Lock(self, name, timeout)
 
     def close(self) -> None:

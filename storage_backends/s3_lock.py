@@ -123,10 +123,8 @@ class S3Lock:
     def _owner(self) -> tuple[str | None, str, dict[str, Any]]:
         """Return (owner token, ETag, body) of the lock object, or (None, '', {})."""
         try:
-            resp = self.backend._call(
-                "reading lock", self.key, "get_object", Key=self.backend._full(self.key)
-            )
-            raw = resp["Body"].read()
+            # Retries a body cut off mid-way and translates every failure.
+            raw, resp = self.backend._fetch(self.key, None)
         except KeyNotFoundError:
             return None, "", {}
         try:
@@ -311,6 +309,15 @@ class S3Lock:
                 self.lost = True
                 logger.error(
                     "lost the lock %s in %s: another process took it over",
+                    self.key,
+                    self.backend.where,
+                )
+                return False
+            # Do not trust the conditional write alone: read the lock back.
+            if not self._confirm(settle=False):
+                self.lost = True
+                logger.error(
+                    "lost the lock %s in %s: it names another owner after renewal",
                     self.key,
                     self.backend.where,
                 )

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 
 from storage_backends.errors import InvalidArgumentError
 
-__all__ = ["MIN_PART", "S3Options"]
+__all__ = ["MIN_PART", "Coordination", "S3Options"]
 
 _MIB = 1 << 20
 #: S3's smallest multipart part (except the last).
 MIN_PART = 5 * _MIB
+
+
+class Coordination(enum.Enum):
+    """How builders on one object store are kept apart.
+
+    ``PROBE``: before the first build, check once per endpoint and bucket that
+    the store enforces ``If-None-Match: *`` and ``If-Match`` on PUT, and refuse
+    to build where it does not. ``SINGLE_WRITER``: skip the check, for a store
+    that ignores them; unsafe with concurrent builders (each may build, and one
+    may commit a manifest naming another's deleted chunks), so leftovers of
+    other builds are never swept automatically.
+    """
+
+    PROBE = "probe"
+    SINGLE_WRITER = "single-writer"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +57,9 @@ class S3Options:
         cache_dir: directory of the local read-through cache used by
             ``yogastore`` readers; ``None`` uses yogastore's default root.
         cache_bytes: size limit of that cache (0 disables it).
+        coordination: ``Coordination`` (or its value): probe the store's
+            conditional writes before building (default), or trust a single
+            writer.
     """
 
     endpoint_url: str | None = None
@@ -58,8 +77,16 @@ class S3Options:
     lock_settle: float = 0.1
     cache_dir: str | os.PathLike[str] | None = None
     cache_bytes: int = 8 << 30
+    coordination: Coordination | str = Coordination.PROBE
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "coordination", Coordination(self.coordination))
+        except ValueError as err:
+            choices = ", ".join(repr(c.value) for c in Coordination)
+            raise InvalidArgumentError(
+                f"S3 option coordination must be one of {choices}, got {self.coordination!r}"
+            ) from err
         for name in ("max_parallel", "upload_workers", "max_attempts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

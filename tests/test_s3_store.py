@@ -99,7 +99,9 @@ def test_each_rank_fetches_its_share(
             assert stats["requests"] < len(ids) / 2
         seen += ids
     print(f"{shuffle.name} bytes fetched / share per rank: {[round(r, 4) for r in ratios]}")
-    assert max(ratios) <= 1.1
+    # Ranged reads fetch whole checksum blocks (256 B in these 64 KiB chunks):
+    # scattered small records (global shuffle) cost up to a block each.
+    assert max(ratios) <= (1.1 if shuffle is y.Shuffle.BLOCK else 1.45)
     assert min(ratios) >= 0.9  # each rank really fetched its own share
     assert sorted(seen) == list(range(n))
 

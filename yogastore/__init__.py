@@ -10,6 +10,7 @@ from storage_backends.errors import (
     AccessDeniedError,
     BackendUnavailableError,
     BuildLimitError,
+    CoordinationError,
     CorruptCacheError,
     DatasetNotFoundError,
     InvalidArgumentError,
@@ -21,6 +22,7 @@ from storage_backends.errors import (
     UnsupportedElementError,
     YogaStoreError,
 )
+from storage_backends.s3_options import Coordination
 from yogastore.order import Shuffle
 from yogastore.progress import NullProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
@@ -34,6 +36,8 @@ __all__ = [
     "BackendUnavailableError",
     "BuildLimitError",
     "ComponentSpec",
+    "Coordination",
+    "CoordinationError",
     "CorruptCacheError",
     "DatasetInfo",
     "GcEntry",

@@ -41,6 +41,7 @@ import numpy.typing as npt
 
 from storage_backends.errors import CorruptCacheError, UnsupportedElementError
 from yogastore import boundedjson
+from yogastore.blocks import block_size, digest_blocks
 from yogastore.spec import STRING, ComponentSpec, Kind, numpy_dtype
 
 try:  # the compiled row gather; without it FixedRows uses one numpy fancy index
@@ -243,10 +244,22 @@ def _pieces(buf: Region) -> list[memoryview]:
 
 
 def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int, Region]]) -> bytes:
-    """Lay out regions (index regions first) behind a JSON header."""
+    """Lay out regions (index regions first) behind a JSON header.
+
+    The index ends with the data area's block checksum table
+    (``yogastore.blocks``), so verifying the index verifies the table.
+    """
     ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
     contents = [_pieces(buf) for _k, _c, buf in ordered]
     sizes = [sum(v.nbytes for v in views) for views in contents]
+    # The data area's length does not depend on where it starts (each region
+    # is aligned), so the size of its checksum table is known before layout.
+    span = 0
+    for (kind, _c, _b), size in zip(ordered, sizes, strict=True):
+        if kind == "data":
+            span = _align(span + size)
+    block = block_size(span)
+    table_bytes = 8 * -(-span // block)
     # The header lists region offsets, which depend on the header's own size:
     # reserve room, and grow it until the header fits.
     room = 128 + 64 * len(ordered)
@@ -255,26 +268,50 @@ def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int,
         pos = _align(_PREFIX.size + room)
         starts = []
         index_end = pos
+        table_at = -1
         for (kind, col, _buf), size in zip(ordered, sizes, strict=True):
+            if kind == "data" and table_at < 0:
+                table_at, index_end = pos, pos + table_bytes
+                pos = _align(index_end)
             starts.append(pos)
             cols[col][kind] = [pos, size]
             if kind != "data":
                 index_end = pos + size
             pos = _align(pos + size)
+        if table_at < 0:
+            table_at, index_end = pos, pos + table_bytes
+            pos = _align(index_end)
+        base = _align(index_end)
+        blocks = [table_at, table_bytes, base, block]
         header = json.dumps(
-            {"k": count, "cols": cols, "index_end": index_end}, separators=(",", ":")
+            {"k": count, "cols": cols, "index_end": index_end, "blocks": blocks},
+            separators=(",", ":"),
         ).encode()
         if len(header) <= room:
             break
         room = len(header) + 64
+    # The data area, piece by piece with its zero padding, hashed where it lies.
+    data_pieces: list[bytes | memoryview] = []
+    end = base
+    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
+        if kind != "data":
+            continue
+        data_pieces.append(bytes(start - end))
+        data_pieces.extend(views)
+        end = start + size
+    data_pieces.append(bytes(pos - end))
+    table = digest_blocks(data_pieces, block)
     # One join: every byte is copied once; gaps (alignment padding) are zeros.
     pieces: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, len(header)), header]
     end = _PREFIX.size + len(header)
-    for views, start, size in zip(contents, starts, sizes, strict=True):
+    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
+        if kind == "data":
+            break
         pieces.append(bytes(start - end))
         pieces.extend(views)
         end = start + size
-    pieces.append(bytes(pos - end))
+    pieces += [bytes(table_at - end), table.data.cast("B"), bytes(base - table_at - table_bytes)]
+    pieces += data_pieces
     return b"".join(pieces)
 
 

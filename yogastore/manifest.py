@@ -22,7 +22,9 @@ from yogastore.spec import Schema
 
 __all__ = ["FORMAT_VERSION", "ChunkInfo", "Manifest", "checksum", "validate_name"]
 
-FORMAT_VERSION = 1
+#: 2: chunk indexes carry block checksums of the data (``yogastore.blocks``).
+#: Older versions are refused with a message saying to build again.
+FORMAT_VERSION = 2
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 
 
@@ -143,7 +145,8 @@ class Manifest:
         if doc.get("format_version") != FORMAT_VERSION:
             raise CorruptCacheError(
                 f"{where}: manifest format version {doc.get('format_version')!r} is not "
-                f"{FORMAT_VERSION}; rebuild the cache with this yogastore version"
+                f"{FORMAT_VERSION} (version 1 chunks lack the block checksums every read now "
+                "checks); delete this version and build it again with this yogastore version"
             )
         num_records = _int(doc, "num_records", where)
         schema = Schema.from_json(doc.get("schema"), where)

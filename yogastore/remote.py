@@ -11,12 +11,16 @@ For each chunk a batch touches it either
   records needed, as byte ranges coalesced where they touch, many in flight
   on a thread pool (``Shuffle.GLOBAL``, span boundaries, small datasets).
 
-What is verified on the ranged path: the index checksum, and every offset and
-length derived from the index (``parse_header`` and ``ChunkView`` bounds checks,
-so a range never leaves the chunk). The data bytes of individual records are
-*not* checksummed on that path: a chunk's checksum covers the whole chunk,
-which a ranged reader never holds. Whole chunks are checksummed every time
-they are assembled.
+What is verified: a whole chunk against the manifest's chunk checksum; an
+index against the manifest's ``index_checksum`` (which covers the chunk's
+block checksum table, ``yogastore.blocks``); the data bytes of a ranged read
+block by block: ranges are widened to whole blocks (4 KiB as written today)
+and every block fetched or found in the disk cache is checked against the
+table. A response that fails, comes back short, or is refused as past the end
+is fetched again (bounded, ``_ATTEMPTS`` fetches in all), then reported as
+``CorruptCacheError``. Only checked bytes enter the disk cache. Every offset
+and length derived from the index is bounds-checked (``parse_header`` and
+``ChunkView``), so a range never leaves the chunk.
 
 "Soon" is a horizon of upcoming batches: ``Stream`` hands its batches of
 record indices through ``plan``, which looks ahead a few chunks' worth of
@@ -27,7 +31,8 @@ Every byte range fetched goes through a local read-through cache
 (``yogastore.diskcache``): one LMDB file, ``remote-cache.mdb`` under the
 store's ``cache_dir`` or yogastore's default root, shared safely by the
 processes of one machine, bounded by ``cache_bytes`` with least-recently-used
-eviction. Each cached range carries an xxh3 digest checked on every hit; a bad
+eviction. Each cached range carries an xxh3 digest checked on every hit, and
+what it serves is checked again against the build's checksums as above; a bad
 entry is dropped and fetched again.
 
 A source may be used on both sides of ``os.fork``: the child starts with no
@@ -67,6 +72,7 @@ from storage_backends.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
 )
+from yogastore.blocks import BlockSums
 from yogastore.diskcache import DiskCache
 from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
 from yogastore.manifest import Manifest, checksum
@@ -90,6 +96,7 @@ logger = logging.getLogger(__name__)
 _MIB = 1 << 20
 _DEFAULT_CACHE_BYTES = 8 << 30
 _DEFAULT_PARALLEL = 16
+_ATTEMPTS = 4  # fetches of one range before a mismatch or short read is reported
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,12 +190,14 @@ class RemoteChunkSource:
         self.manifest = manifest
         self.options = options or RemoteOptions.for_backend(backend)
         self.stats = ReadStats()
+        self.refetches = 0  # ranges fetched again after failing a check
         self._columns = manifest.columns()
         self._starts = manifest.chunk_starts()
         self._states: collections.OrderedDict[int, ChunkState] = collections.OrderedDict()
         self._resident = 0
         self._need = np.zeros(len(manifest.chunks), dtype=np.int64)
         self._handed: dict[int, Planned] = {}
+        self._counted: set[Planned] = set()  # planned batches within the horizon
         self._lock = threading.Lock()
         self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._prep_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -231,6 +240,7 @@ class RemoteChunkSource:
         self._resident = 0
         self._need = np.zeros(len(self.manifest.chunks), dtype=np.int64)
         self._handed = {}
+        self._counted = set()
         self._reopen = self._reopen or self.cache is not None
         self.cache = None
 
@@ -294,11 +304,12 @@ class RemoteChunkSource:
                     except StopIteration:
                         exhausted = True
                         break
-                    which, _ = locate(self.manifest, self._starts, records)
+                    which, local = locate(self.manifest, self._starts, records)
                     chunks, counts = np.unique(which, return_counts=True)
-                    item = Planned(records, chunks, counts.astype(np.int64))
+                    item = Planned(records, chunks, counts.astype(np.int64), which, local)
                     with self._lock:
                         self._need[chunks] += item.counts
+                        self._counted.add(item)
                     ahead.append(item)
                     queued += len(records)
                     if len(ahead) <= window:
@@ -341,6 +352,7 @@ class RemoteChunkSource:
             if item.counted:
                 self._need[item.chunks] -= item.counts
                 item.counted = False
+                self._counted.discard(item)
 
     def _prep(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -441,6 +453,7 @@ class RemoteChunkSource:
                 self._install_whole(job)
             for job in index_jobs:
                 self._install_index(job)
+            wanted = self._with_upcoming(states, chunks, wanted)
             data_jobs, missing_sets = record_jobs(
                 states, wanted, self._columns, self.options.coalesce_gap, self.options.overfetch
             )
@@ -459,20 +472,50 @@ class RemoteChunkSource:
                 views.append(state.view)
         return views, inverse, local
 
+    def _with_upcoming(
+        self, states: list[ChunkState], chunks: IntArray, wanted: list[IntArray]
+    ) -> list[IntArray]:
+        """Add, for chunks read by ranges, the records of them the planned batches need.
+
+        One round of ranged reads per chunk then serves every batch of the
+        look-ahead horizon (block shuffle mixes a window of chunks, so a
+        chunk's records come in many batches), instead of one round per batch.
+        """
+        ranged = [i for i, st in enumerate(states) if not st.whole and st.have is not None]
+        if not ranged:
+            return wanted
+        with self._lock:
+            items = [it for it in self._counted if it.which is not None and it.local is not None]
+        if not items:
+            return wanted
+        which = np.concatenate([it.which for it in items if it.which is not None])
+        local = np.concatenate([it.local for it in items if it.local is not None])
+        out = list(wanted)
+        for i in ranged:
+            extra = local[which == chunks[i]]
+            if len(extra):
+                out[i] = np.union1d(wanted[i], extra)
+        return out
+
     def _install_whole(self, job: Job) -> None:
         state = job.state
         where = self._where(state)
-        if checksum(job.buf.data) != state.info.checksum:
+        attempt = 1
+        while checksum(job.buf.data) != state.info.checksum:
             if job.from_cache and self.cache is not None:
                 logger.warning("%s: cached copy fails its checksum; fetching it again", where)
                 self._cache_call(self.cache.drop_chunk, state.cid)
-                job.from_cache = False
-                self._run([job], use_cache=False)
-            if checksum(job.buf.data) != state.info.checksum:
+            elif attempt >= _ATTEMPTS:
                 raise CorruptCacheError(
-                    f"{where}: checksum mismatch; the cache is corrupted, delete and rebuild "
-                    "this version"
+                    f"{where}: checksum mismatch in {attempt} fetches from {self.backend.url}; "
+                    "the stored chunk or the network path corrupts data: check the endpoint, "
+                    "or delete and rebuild this version"
                 )
+            else:
+                attempt += 1
+                self._count_refetch(where, "chunk checksum mismatch")
+            job.from_cache = False
+            self._run([job], use_cache=False)
         if self.cache is not None:
             # One entry for the whole chunk replaces the ranges read before.
             self._cache_call(self.cache.drop_chunk, state.cid)
@@ -488,24 +531,40 @@ class RemoteChunkSource:
         state = job.state
         where = self._where(state)
         size = state.info.index_bytes
-        if checksum(job.buf[:size].data) != state.info.index_checksum:
+        attempt = 1
+        while checksum(job.buf[:size].data) != state.info.index_checksum:
             if job.from_cache and self.cache is not None:
                 logger.warning("%s: cached index fails its checksum; fetching it again", where)
                 self._cache_call(self.cache.drop_chunk, state.cid)
-                self._run([job], use_cache=False)
-            if checksum(job.buf[:size].data) != state.info.index_checksum:
-                raise CorruptCacheError(f"{where}: chunk index checksum mismatch")
+            elif attempt >= _ATTEMPTS:
+                raise CorruptCacheError(
+                    f"{where}: chunk index checksum mismatch in {attempt} fetches from "
+                    f"{self.backend.url}; check the endpoint, or delete and rebuild this version"
+                )
+            else:
+                attempt += 1
+                self._count_refetch(where, "index checksum mismatch")
+            job.from_cache = False
+            self._run([job], use_cache=False)
+        if self.cache is not None and not job.from_cache:
+            self._cache_call(self.cache.update, [], [(state.cid, 0, job.buf[:size].tobytes())])
         header = parse_header(job.buf.data[:size], state.info.nbytes, where)
         if header.get("index_end") != size:
             raise CorruptCacheError(
                 f"{where}: chunk index ends at {header.get('index_end')!r}, manifest says {size}"
             )
+        sums = BlockSums.from_header(header, job.buf.data[:size], state.info.nbytes, where)
         view = ChunkView(job.buf.data, self._columns, state.info.count, where, header)
         with self._lock:
-            state.buf, state.view, state.header = job.buf, view, header
+            state.buf, state.view, state.header, state.sums = job.buf, view, header, sums
             state.have = np.zeros(state.info.count, dtype=bool)
             state.resident = size
             self._resident += size
+
+    def _count_refetch(self, where: str, why: str) -> None:
+        logger.warning("%s: %s; fetching it again", where, why)
+        with self._lock:
+            self.refetches += 1
 
     def _cache_call(self, fn: Any, *args: Any) -> Any:
         """Run a disk cache operation; on failure disable the cache, keep reading."""
@@ -517,12 +576,20 @@ class RemoteChunkSource:
             return None
 
     def _run(self, jobs: Sequence[Job], use_cache: bool = True) -> None:
-        """Fill every job's ranges from the disk cache, then the network."""
+        """Fill every job's ranges from the disk cache, then the network.
+
+        Data ranges (``job.sums`` set) are checked block by block: cached
+        pieces that fail are dropped and fetched, fetched ranges that fail are
+        fetched again (``_get``). Only checked bytes enter the disk cache;
+        index and whole-chunk jobs are cached by their install step, once
+        they pass the manifest's checksum.
+        """
         if not jobs:
             return
         cache = self.cache if use_cache else None
         fetches: list[tuple[Job, int, int]] = []
         touched: list[bytes] = []
+        damaged: list[bytes] = []
         hits = misses = 0
         for job in jobs:
             gaps: list[Range] = list(job.ranges)
@@ -533,6 +600,11 @@ class RemoteChunkSource:
                     gaps, covered = [], 0
                     for (a, b), pieces in zip(job.ranges, pieces_per_range, strict=True):
                         fills, holes = cover(a, b, pieces)
+                        if job.sums is not None and any(
+                            job.sums.bad_blocks(p.data, p.start) for p in fills
+                        ):
+                            damaged.append(job.state.cid)
+                            fills, holes = [], [(a, b)]
                         for p in fills:
                             job.buf[p.start : p.end] = np.frombuffer(p.data, dtype=np.uint8)
                             covered += p.end - p.start
@@ -550,7 +622,13 @@ class RemoteChunkSource:
                 ends = np.array([b for _, b in gaps], dtype=np.int64)
                 for a, b in coalesce(starts, ends, job.gap):
                     step = self.options.max_request_bytes
+                    if job.sums is not None:  # keep every request whole blocks
+                        step = max(step // job.sums.size, 1) * job.sums.size
                     fetches += [(job, s, min(s + step, b)) for s in range(a, b, step)]
+        if damaged and cache is not None:
+            logger.warning("read cache entries fail the build's block checksums; dropping them")
+            for cid in set(damaged):
+                self._cache_call(cache.drop_chunk, cid)
         results: list[bytes] = []
         if fetches:
             pool = self._pool()
@@ -563,7 +641,8 @@ class RemoteChunkSource:
         inserts = []
         for (job, a, b), data in zip(fetches, results, strict=True):
             job.buf[a:b] = np.frombuffer(data, dtype=np.uint8)
-            inserts.append((job.state.cid, a, data))
+            if job.sums is not None:
+                inserts.append((job.state.cid, a, data))
         with self._lock:
             self.stats.requests += len(fetches)
             self.stats.bytes_fetched += sum(len(d) for d in results)
@@ -573,15 +652,43 @@ class RemoteChunkSource:
             self._cache_call(cache.update, touched, inserts)
 
     def _get(self, job: Job, start: int, end: int) -> bytes:
-        try:
-            return bytes(self.backend.get_range(job.state.info.key, start, end - start))
-        except KeyNotFoundError as err:
-            raise CorruptCacheError(
-                f"{self._where(job.state)}: chunk listed in the manifest is missing from "
-                f"{self.backend.url}; delete and rebuild this version"
-            ) from err
-        except InvalidArgumentError as err:
-            raise CorruptCacheError(
-                f"{self._where(job.state)}: chunk is shorter than the {job.state.info.nbytes} "
-                "bytes the manifest records"
-            ) from err
+        """Fetch ``[start, end)`` of a chunk; data ranges are checked block by block.
+
+        A response that fails its block checksums, comes back short, or is
+        refused as past the end is fetched again, ``_ATTEMPTS`` times in all,
+        then reported as ``CorruptCacheError`` saying which it was. Failed
+        requests and broken bodies are the backend's to retry (bounded there).
+        """
+        where = self._where(job.state)
+        key = job.state.info.key
+        problem = ""
+        for attempt in range(1, _ATTEMPTS + 1):
+            if attempt > 1:
+                self._count_refetch(f"{where} bytes [{start}, {end})", problem)
+            try:
+                data = bytes(self.backend.get_range(key, start, end - start))
+            except KeyNotFoundError as err:
+                raise CorruptCacheError(
+                    f"{where}: chunk listed in the manifest is missing from "
+                    f"{self.backend.url}; delete and rebuild this version"
+                ) from err
+            except InvalidArgumentError as err:
+                if attempt == _ATTEMPTS:
+                    raise CorruptCacheError(
+                        f"{where}: bytes [{start}, {end}) were refused as past the end or came "
+                        f"back short {attempt} times; the chunk is shorter than the "
+                        f"{job.state.info.nbytes} bytes the manifest records: {err}"
+                    ) from err
+                problem = f"range refused or short: {err}"
+                continue
+            if len(data) != end - start:
+                problem = f"short response ({len(data)} of {end - start} bytes)"
+                continue
+            if job.sums is None or not job.sums.bad_blocks(data, start):
+                return data
+            problem = "block checksum mismatch"
+        raise CorruptCacheError(
+            f"{where}: bytes [{start}, {end}) from {self.backend.url}: {problem} in "
+            f"{_ATTEMPTS} fetches; the stored chunk or the network path corrupts data: check "
+            "the endpoint, or delete and rebuild this version"
+        )

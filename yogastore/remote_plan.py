@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from storage_backends.errors import CorruptCacheError
+from yogastore.blocks import BlockSums
 from yogastore.diskcache import Piece
 from yogastore.format import ChunkView, ColumnSpec
 from yogastore.manifest import ChunkInfo
@@ -110,6 +111,7 @@ class ChunkState:
     view: ChunkView | None = None
     header: dict[str, Any] | None = None
     have: npt.NDArray[np.bool_] | None = None
+    sums: BlockSums | None = None
     whole: bool = False
     resident: int = 0
     pins: int = 0
@@ -149,7 +151,13 @@ class ChunkState:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Job:
-    """Byte ranges of one chunk to place into ``buf``."""
+    """Byte ranges of one chunk to place into ``buf``.
+
+    ``sums`` is set for ranges of the data area: each range is then made of
+    whole blocks and every fetched or cached byte is checked against them.
+    Index and whole-chunk jobs are checked against the manifest's checksums
+    once assembled.
+    """
 
     state: ChunkState
     buf: npt.NDArray[np.uint8]
@@ -157,6 +165,7 @@ class Job:
     gap: int
     whole: bool = False
     from_cache: bool = False
+    sums: BlockSums | None = None
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -166,6 +175,8 @@ class Planned:
     records: IntArray
     chunks: IntArray
     counts: IntArray
+    which: IntArray | None = None  # chunk of each record
+    local: IntArray | None = None  # index of each record within its chunk
     counted: bool = True
     future: concurrent.futures.Future[None] | None = None
 
@@ -231,7 +242,11 @@ def record_jobs(
             continue
         starts, ends = state.record_ranges(missing, columns)
         ranges = coalesce(starts, ends, gap, overfetch)
+        if state.sums is None:  # pragma: no cover - set with the index
+            raise CorruptCacheError(f"chunk {state.info.key}: block checksums not loaded")
+        # Only whole blocks can be verified: widen every range to its blocks.
+        ranges = state.sums.cover(ranges)
         if ranges:
-            jobs.append(Job(state, state.buf, ranges, gap))
+            jobs.append(Job(state, state.buf, ranges, gap, sums=state.sums))
         marks.append((state.have, missing))
     return jobs, marks

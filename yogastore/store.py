@@ -252,6 +252,9 @@ class Store:
         lock_timeout: seconds to wait for another process building the same
             dataset (``None``: wait as long as it takes).
         **backend_options: passed to the backend (e.g. ``endpoint_url`` for S3).
+            On S3, ``coordination="single-writer"`` builds on a store that
+            ignores conditional writes (by default such a store is refused
+            before the first build; see ``storage_backends.s3_options.Coordination``).
     """
 
     def __init__(
@@ -484,6 +487,10 @@ class Store:
         They are leftovers of builds that died or lost the lock; readers never
         see them. Best effort: the dataset is committed either way.
         """
+        if not getattr(self.backend, "coordinated", True):
+            # Without enforced conditional writes another builder may still be
+            # writing what looks like a leftover: never delete it here.
+            return
         prefix = f"{manifest.dataset_id}/{manifest.version}/"
         keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
         try:

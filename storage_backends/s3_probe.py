@@ -1,0 +1,86 @@
+"""Does this S3-compatible store enforce conditional writes? Asked once per endpoint and bucket.
+
+Build coordination (the lock object, the exclusive manifest commit) rests on
+two conditions on PUT: ``If-None-Match: *`` (create only if absent) and
+``If-Match: <etag>`` (replace only that version). AWS S3 enforces both; some
+stores accept the headers and ignore them, and then concurrent builders all
+build, and one may commit a manifest naming chunks another swept away.
+
+The probe writes a fresh key under the store's prefix with ``If-None-Match:
+*`` twice (the second must fail with 412) and once with a made-up ``If-Match``
+(must fail with 412), then deletes it. The verdict is kept for the process's
+life per (endpoint, bucket). Reading never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import threading
+import uuid
+from typing import TYPE_CHECKING
+
+from storage_backends.errors import CoordinationError, KeyExistsError, StorageError
+
+if TYPE_CHECKING:
+    from storage_backends.s3_backend import S3Backend
+
+__all__ = ["check_conditional_writes", "probe_conditional_writes"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_PREFIX = ".yogastore-probe/"
+_VERDICTS: dict[tuple[str, str], str | None] = {}
+_LOCK = threading.Lock()
+
+
+def probe_conditional_writes(backend: S3Backend) -> str | None:
+    """Run the probe now; return ``None`` if both conditions are enforced, else what failed."""
+    key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    failures = []
+    try:
+        backend._put_object(key, b"first", IfNoneMatch="*")
+        try:
+            backend._put_object(key, b"second", IfNoneMatch="*")
+            failures.append("a second PUT with If-None-Match: * replaced the object")
+        except KeyExistsError:
+            pass
+        try:
+            backend._put_object(key, b"third", IfMatch='"0123456789abcdef0123456789abcdef"')
+            failures.append("a PUT with a made-up If-Match replaced the object")
+        except KeyExistsError:
+            pass
+    finally:
+        with contextlib.suppress(StorageError):
+            backend._call("deleting probe", key, "delete_object", Key=backend._full(key))
+    return "; ".join(failures) or None
+
+
+def check_conditional_writes(backend: S3Backend) -> None:
+    """Probe once per endpoint and bucket; raise if conditional writes are not enforced.
+
+    Raises:
+        CoordinationError: the store ignores ``If-None-Match`` or ``If-Match``;
+            the message names the endpoint and the single-writer way out.
+        StorageError: the probe itself failed (it is tried again next time).
+    """
+    where = (backend.endpoint_url or "aws", backend.bucket)
+    with _LOCK:
+        known = where in _VERDICTS
+        verdict = _VERDICTS.get(where)
+    if not known:
+        verdict = probe_conditional_writes(backend)
+        with _LOCK:
+            _VERDICTS[where] = verdict
+        if verdict is None:
+            logger.debug("%s enforces conditional writes", backend.where)
+    if verdict is not None:
+        raise CoordinationError(
+            errno.ENOTSUP,
+            f"refusing to build in {backend.where}: the store at "
+            f"{backend.endpoint_url or 'AWS S3'} does not enforce conditional writes ({verdict}), "
+            "so concurrent builders cannot be kept apart; if only one process ever builds "
+            "here, open the store with coordination='single-writer' (unsafe with concurrent "
+            "builders)",
+        )

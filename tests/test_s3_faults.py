@@ -1,0 +1,142 @@
+"""Reads through a fault-injecting proxy: every record exact, or CorruptCacheError; never wrong."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import yogastore as y
+from storage_backends.errors import CorruptCacheError
+from tests.backends.fault_proxy import FaultProxy
+from tests.backends.s3_support import (
+    SPEC,
+    check_batch,
+    create_bucket,
+    fake_credentials,
+    moto_endpoint,
+    records,
+)
+from yogastore.diskcache import _META, DiskCache, _digest
+from yogastore.remote import RemoteChunkSource, RemoteOptions
+
+pytestmark = pytest.mark.s3
+
+N = 800
+CHUNK = 64 << 10
+RANKS = 4
+# 503s and resets are retried by botocore with back-off (seconds): rarer, to keep the test quick.
+FLAKY = {
+    "flip": 0.05,
+    "truncate": 0.01,
+    "short": 0.01,
+    "past_end": 0.01,
+    "error": 0.003,
+    "reset": 0.003,
+}
+
+
+@pytest.fixture
+def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A moto server holding one built dataset (``ds``/``1``) in a fresh bucket; its URL."""
+    fake_credentials(monkeypatch)
+    url = moto_endpoint()
+    bucket = f"faults-{uuid.uuid4().hex[:10]}"
+    create_bucket(url, bucket)
+    monkeypatch.setenv("YOGASTORE_TEST_BUCKET", bucket)
+    store = y.Store(f"s3://{bucket}/c", endpoint_url=url, chunk_bytes=CHUNK, lock_settle=0.0)
+    store.cache("ds", "1", lambda: records(N), spec=SPEC, progress=y.NullProgress())
+    yield url
+
+
+def _store(proxy: FaultProxy, cache_dir: Path | None, **options: Any) -> y.Store:
+    import os
+
+    options.update({"cache_dir": cache_dir} if cache_dir else {"cache_bytes": 0})
+    return y.Store(
+        f"s3://{os.environ['YOGASTORE_TEST_BUCKET']}/c",
+        endpoint_url=proxy.url,
+        lock_settle=0.0,
+        **options,
+    )
+
+
+def _read_epoch(store: y.Store, shuffle: y.Shuffle, epoch: int, ranks: int = RANKS) -> list[int]:
+    """Read the shares of ``ranks`` of ``RANKS`` ranks; check each record's content; return ids."""
+    ref = store.open("ds", "1")
+    ids: list[int] = []
+    for rank in range(ranks):
+        stream = ref.stream(rank, RANKS, shuffle=shuffle, seed=7, epoch=epoch)
+        for batch in stream.batches(32):
+            ids += check_batch(batch)  # exact values of every record
+    return ids
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-disk-cache", "disk-cache"])
+@pytest.mark.parametrize("shuffle", [y.Shuffle.BLOCK, y.Shuffle.GLOBAL], ids=["block", "global"])
+def test_faulty_network_never_yields_a_wrong_record(
+    endpoint: str, tmp_path: Path, shuffle: y.Shuffle, cached: bool
+) -> None:
+    """Flips, cut bodies, short 206s, 400s past the end and 503s: all records exact."""
+    cache_dir = tmp_path / "read-cache" if cached else None
+    with FaultProxy(endpoint, FLAKY, seed=hash((shuffle.value, cached)) & 0xFFFF) as proxy:
+        ids = _read_epoch(_store(proxy, cache_dir), shuffle, epoch=0)
+        assert sorted(ids) == list(range(N))
+        assert proxy.counts["flip"] >= 3  # the faults really happened
+        assert sum(proxy.counts.values()) >= 5
+    if cached:
+        # A later, fault-free epoch served from the shared disk cache is exact too:
+        # nothing that failed its checksum was kept.
+        with FaultProxy(endpoint) as clean:
+            assert sorted(_read_epoch(_store(clean, cache_dir), shuffle, epoch=1)) == list(range(N))
+
+
+@pytest.mark.parametrize("ranged", [False, True], ids=["whole", "ranged"])
+def test_persistent_corruption_raises(endpoint: str, tmp_path: Path, ranged: bool) -> None:
+    """A path that flips every chunk response: refetched a bounded number of times, then raised."""
+    with FaultProxy(endpoint, {"flip": 1.0}) as proxy:
+        store = _store(proxy, None, max_attempts=2)
+        ref = store.open("ds", "1")
+        options = RemoteOptions(cache_bytes=0, whole_fraction=1.0 if ranged else 0.01)
+        source = RemoteChunkSource(ref.store.backend, ref.manifest, options)
+        with pytest.raises(CorruptCacheError, match="checksum") as info:
+            source.gather(np.array([5, 6], dtype=np.int64))
+        assert "times" in str(info.value) or "fetches" in str(info.value)
+        assert 2 <= proxy.requests["GET"] <= 8  # bounded: a few attempts, not forever
+        source.close()
+
+
+def test_short_responses_are_reported_as_short(endpoint: str, tmp_path: Path) -> None:
+    with FaultProxy(endpoint, {"short": 1.0}) as proxy:
+        ref = _store(proxy, None).open("ds", "1")
+        source = RemoteChunkSource(ref.store.backend, ref.manifest, RemoteOptions(cache_bytes=0))
+        with pytest.raises(CorruptCacheError, match="short"):
+            source.gather(np.array([5], dtype=np.int64))
+        source.close()
+
+
+def test_disk_cache_is_checked_against_build_checksums(endpoint: str, tmp_path: Path) -> None:
+    """A cache entry with wrong bytes but a matching own digest is caught and refetched."""
+    cache_dir = tmp_path / "read-cache"
+    with FaultProxy(endpoint) as proxy:
+        store = _store(proxy, cache_dir)
+        expected = sorted(_read_epoch(store, y.Shuffle.GLOBAL, epoch=0, ranks=1))
+        assert len(expected) == N // RANKS
+        cache = DiskCache(cache_dir, 1 << 30)
+        poisoned = 0
+        with cache.env.begin(write=True) as txn:
+            for key, value in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=cache.data_db)]:
+                meta = _META.unpack(bytes(txn.get(key, db=cache.meta_db)))
+                bad = bytearray(value)
+                bad[len(bad) // 2] ^= 0x10
+                txn.put(key, bytes(bad), db=cache.data_db)
+                txn.put(key, _META.pack(meta[0], meta[1], _digest(key, bad)), db=cache.meta_db)
+                poisoned += 1
+        assert poisoned > 0
+        before = proxy.requests["GET"]
+        assert sorted(_read_epoch(store, y.Shuffle.GLOBAL, epoch=0, ranks=1)) == expected
+        assert proxy.requests["GET"] > before  # the poisoned bytes were fetched again
