@@ -18,6 +18,7 @@ from storage_backends.errors import (
     UnsupportedElementError,
     YogaStoreError,
 )
+from yogastore.format import StringBuffer, StringFormat
 from yogastore.order import Shuffle
 from yogastore.progress import NullProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
@@ -47,6 +48,8 @@ __all__ = [
     "Store",
     "Stream",
     "StreamState",
+    "StringBuffer",
+    "StringFormat",
     "UnsupportedElementError",
     "YogaStoreError",
     "__version__",

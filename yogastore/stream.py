@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore.assemble import batch_components, element_components
+from yogastore.format import StringFormat
 from yogastore.order import (
     BlockShuffleOrder,
     EpochOrder,
@@ -327,17 +328,28 @@ class Stream:
         size = max(1, batch_size * row_bytes(schema))
         return max(1, min(most, round(target_bytes / size)))
 
-    def batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
+    def batches(
+        self,
+        batch_size: int,
+        drop_remainder: bool = False,
+        *,
+        strings: StringFormat = StringFormat.OBJECTS,
+    ) -> Iterator[Any]:
         """Yield numpy batches of ``batch_size`` records (the fast path).
 
         Fixed-shape components are stacked arrays ``[B, ...]``; ragged and
         sparse components are ``RaggedValue``/``SparseValue`` with a leading
         batch dimension, as ``tf.data.Dataset.batch`` would make them.
+        Strings are numpy object arrays of ``bytes``, or with
+        ``strings=StringFormat.BUFFERS`` a ``StringBuffer`` each: all bytes in
+        one array plus offsets, without a Python object per string.
         From local stores, small fixed-shape batches are gathered several at a
         time (about ``_GATHER_BYTES``) and handed out as views, which spreads
         the fixed cost of a gather over many batches.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
+        if not isinstance(strings, StringFormat):
+            raise InvalidArgumentError(f"strings must be a StringFormat, got {strings!r}")
         schema = self.ref.schema
         where = self.ref.manifest.where
         k = self.group_factor(batch_size, _GATHER_BYTES, _MAX_GATHER_GROUP)
@@ -348,7 +360,7 @@ class Stream:
         # pooled buffer back every time.
         if k == 1:
             for _records, cols in self.column_batches(batch_size, drop_remainder):
-                batch = schema.pack(batch_components(schema, cols, where))
+                batch = schema.pack(batch_components(schema, cols, where, strings))
                 del cols
                 yield batch
                 del batch

@@ -6,7 +6,9 @@
   every component has a fixed shape.
 * ``to_tf_dataset``: a stream as a ``tf.data.Dataset``; one Python call per
   batch hands flat numpy arrays to TensorFlow and a graph-mode ``map``
-  rebuilds ragged and sparse components.
+  rebuilds ragged and sparse components. Strings cross as one byte string
+  per batch plus offsets and are cut apart in the graph
+  (``tf.strings.substr``): no Python object per string.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tensorflow as tf
 
 from storage_backends.errors import UnsupportedElementError
 from yogastore.assemble import batch_components, element_components
+from yogastore.format import StringBuffer, StringFormat
 from yogastore.spec import (
     ComponentSpec,
     Kind,
@@ -220,13 +223,56 @@ def _wire_specs(comp: ComponentSpec, batch: int | None, batched: bool) -> list[t
     ]
 
 
-def _rebuild(schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: bool) -> Any:
+def _buffer_specs(spec: tf.TensorSpec) -> list[tf.TensorSpec]:
+    """Wire of a string tensor as bytes + offsets + shape (see ``_strings_from``)."""
+    return [
+        tf.TensorSpec([], tf.string),
+        tf.TensorSpec([None], tf.int64),
+        tf.TensorSpec([spec.shape.rank], tf.int64),
+    ]
+
+
+def _expand_specs(specs: list[tf.TensorSpec], buffers: bool) -> list[tf.TensorSpec]:
+    if not buffers:
+        return specs
+    return [w for s in specs for w in (_buffer_specs(s) if s.dtype == tf.string else [s])]
+
+
+def _expand_values(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, StringBuffer):
+            # One bytes object per batch; offsets and shape as int64 arrays.
+            out += [v.data.tobytes(), v.offsets, np.array(v.shape, dtype=np.int64)]
+        else:
+            out.append(v)
+    return out
+
+
+def _strings_from(blob: tf.Tensor, offsets: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
+    """Cut one byte string into a string tensor of ``shape`` at ``offsets``."""
+    flat = tf.strings.substr(blob, offsets[:-1], offsets[1:] - offsets[:-1])
+    return tf.reshape(flat, shape)
+
+
+def _rebuild(
+    schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: bool, buffers: bool = False
+) -> Any:
     out: list[Any] = []
     i = 0
     for comp in schema.components:
-        n = len(_wire_specs(comp, batch, batched))
-        parts = wire[i : i + n]
-        i += n
+        specs = _wire_specs(comp, batch, batched)
+        parts: list[Any] = []
+        for spec in specs:
+            if buffers and spec.dtype == tf.string:
+                t = _strings_from(*wire[i : i + 3])
+                t.set_shape(spec.shape)
+                parts.append(t)
+                i += 3
+            else:
+                parts.append(wire[i])
+                i += 1
+        n = len(specs)
         if comp.kind is Kind.TENSOR or (comp.kind is Kind.RAGGED and n == 1):
             out.append(parts[0])
         elif comp.kind is Kind.RAGGED:
@@ -254,18 +300,21 @@ def to_tf_dataset(
         return _per_element_dataset(stream, schema)
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     static = size if (drop_remainder and not unbatch) else None
-    specs = tuple(s for c in schema.components for s in _wire_specs(c, static, True))
+    wire = [s for c in schema.components for s in _wire_specs(c, static, True)]
+    specs = tuple(_expand_specs(wire, True))
 
     def generate() -> Iterator[tuple[Any, ...]]:
         for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
-            comps = batch_components(schema, cols, where)
-            yield tuple(
-                w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
-            )
+            comps = batch_components(schema, cols, where, StringFormat.BUFFERS)
+            del cols
+            values = [w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)]
+            del comps
+            yield tuple(_expand_values(values))
+            del values
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
     ds = ds.map(
-        lambda *w: _rebuild(schema, w, static, True),
+        lambda *w: _rebuild(schema, w, static, True, buffers=True),
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
