@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
+STAMP_BENCH := $(VENV)/.installed-bench
 
 .PHONY: demo test lint typecheck unit bench horovod clean
 
@@ -38,7 +39,11 @@ unit: $(STAMP_TEST)
 
 test: $(STAMP_TEST) horovod lint typecheck unit
 
-bench: $(STAMP_TEST)
+$(STAMP_BENCH): pyproject.toml $(STAMP_TEST)
+	$(PIP) install -q -e '.[tf,s3,test,bench]'
+	touch $@
+
+bench: $(STAMP_BENCH)
 	$(PY) -m benchmarks.read_throughput $(BENCH_ARGS)
 
 clean:

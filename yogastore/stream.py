@@ -35,13 +35,13 @@ from yogastore.order import (
     slice_intervals,
     split_intervals,
 )
-from yogastore.spec import row_bytes
+from yogastore.spec import STRING, Schema, row_bytes
 
 if TYPE_CHECKING:
     from yogastore.reader import ChunkSource
     from yogastore.store import DatasetRef
 
-__all__ = ["Stream", "StreamState"]
+__all__ = ["Stream", "StreamState", "fixed_numeric"]
 
 IntArray = npt.NDArray[np.int64]
 # Version 2: the shuffled order is the unbalanced Feistel network of order.py;
@@ -139,6 +139,15 @@ class StreamState:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise InvalidArgumentError(f"invalid stream state {text!r:.200}: {err}") from err
+
+
+def fixed_numeric(schema: Schema) -> bool:
+    """Whether every component is a fixed-shape tensor of numbers (no strings).
+
+    Such batches are plain arrays that can be grouped and sliced; strings
+    take the path that hands them over as buffers.
+    """
+    return bool(schema.components) and all(c.fixed and c.dtype != STRING for c in schema.components)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -316,12 +325,13 @@ class Stream:
     def group_factor(self, batch_size: int, target_bytes: int, most: int) -> int:
         """Return how many batches to gather at once: about ``target_bytes``, at most ``most``.
 
-        Only for schemas whose components all have a fixed shape (1 otherwise),
+        Only for schemas whose components all have a fixed shape and are not
+        strings (1 otherwise),
         and only when ``column_batches`` is this class's own: a subclass may
         give batches of ``batch_size`` a meaning of their own (steps, padding).
         """
         schema = self.ref.schema
-        if not schema.components or not all(c.fixed for c in schema.components):
+        if not fixed_numeric(schema):
             return 1
         if type(self).column_batches is not Stream.column_batches:
             return 1

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -33,9 +33,7 @@ from yogastore.spec import (
     leaf_paths,
     row_bytes,
 )
-
-if TYPE_CHECKING:
-    from yogastore.stream import Stream
+from yogastore.stream import Stream, fixed_numeric
 
 __all__ = [
     "dataset_items",
@@ -174,6 +172,9 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         for batch in batched.as_numpy_iterator():
             yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
         return
+    if all(_batchable(c) for c in schema.components):
+        yield from _records_of_batches(ds, schema)
+        return
     for element in numpy_records(ds.prefetch(64)):
         values: list[Any] = []
         for comp, leaf, path in zip(
@@ -181,6 +182,40 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         ):
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
+
+
+def _batchable(comp: ComponentSpec) -> bool:
+    """Whether ``Dataset.batch`` stacks this component so that records split back in numpy."""
+    return comp.fixed or (comp.kind is Kind.RAGGED and comp.ragged_rank == 0)
+
+
+def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
+    """Yield the records of ``ds``, batched by tf.data and split with numpy slices.
+
+    For fixed-shape tensors (strings too) and rank-0 ragged components: tf.data's
+    per-element Python cost is then paid once per batch, not per record.
+    """
+    for batch in ds.batch(_FIRST_PASS_BATCH).prefetch(2):
+        leaves = schema.flatten(_plain(batch))
+        n = 0
+        getters: list[Any] = []
+        for comp, leaf in zip(schema.components, leaves, strict=True):
+            if comp.kind is Kind.TENSOR:
+                arr = np.asarray(leaf)
+                n = len(arr)
+                getters.append(arr)
+            else:
+                splits = np.asarray(leaf.nested_row_splits[0], dtype=np.int64)
+                n = len(splits) - 1
+                getters.append((np.asarray(leaf.flat_values), splits))
+        for i in range(n):
+            yield (
+                "record",
+                [
+                    g[i] if isinstance(g, np.ndarray) else g[0][g[1][i] : g[1][i + 1]]
+                    for g in getters
+                ],
+            )
 
 
 def _plain(element: Any) -> Any:
@@ -294,7 +329,7 @@ def to_tf_dataset(
     schema = stream.ref.schema
     where = stream.ref.manifest.where
     unbatch = batch_size is None
-    if schema.components and all(c.fixed for c in schema.components):
+    if fixed_numeric(schema):
         return _fixed_dataset(stream, schema, batch_size, drop_remainder)
     if unbatch:
         return _per_element_dataset(stream, schema)
@@ -312,9 +347,13 @@ def to_tf_dataset(
             yield tuple(_expand_values(values))
             del values
 
+    @tf.autograph.experimental.do_not_convert
+    def rebuild(*w: Any) -> Any:  # plain graph code: nothing for AutoGraph to convert
+        return _rebuild(schema, w, static, True, buffers=True)
+
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
     ds = ds.map(
-        lambda *w: _rebuild(schema, w, static, True, buffers=True),
+        rebuild,
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
