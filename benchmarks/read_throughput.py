@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import _methods, _varlen, _yogadl
+from benchmarks import _methods, _peers, _varlen, _yogadl
 from benchmarks._common import Case, make_records, quiet_tensorflow, write_tfrecord
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -194,7 +194,7 @@ def run_case(
             (
                 "k",
                 "under load",
-                lambda: _varlen.contended_rows(
+                lambda: _peers.contended_rows(
                     ctx,
                     lambda: _methods.tfrecord_sequential(ctx),
                     lambda: _methods.stream_tf(ctx),
@@ -242,17 +242,17 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
         ("b", "stream -> tf.data", lambda: [_varlen.stream_tf_row(ctx)]),
         ("c", "stream.batches", lambda: _varlen.stream_numpy_rows(ctx)),
         ("d", "memory gather", lambda: [_varlen.memory_gather_row(ctx)]),
-        ("p", "Grain + ArrayRecord", lambda: [_varlen.grain_row(ctx)]),
+        ("p", "Grain + ArrayRecord", lambda: [_peers.grain_row(ctx)]),
     ]
     if case.kind == "jpeg":
-        steps.append(("h", "decode_jpeg + resize", lambda: _varlen.decode_rows(ctx)))
+        steps.append(("h", "decode_jpeg + resize", lambda: _peers.decode_rows(ctx)))
     targets = VAR_TARGETS
     if case.kind == "images" and not args.no_contended:
         steps.append(
             (
                 "k",
                 "under load",
-                lambda: _varlen.contended_rows(
+                lambda: _peers.contended_rows(
                     ctx,
                     lambda: _varlen.tfrecord_rows(ctx)[0],
                     lambda: _varlen.stream_tf_row(ctx),

@@ -7,16 +7,29 @@ record or per batch, with vectorised numpy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from storage_backends.errors import UnsupportedElementError
-from yogastore.format import ColumnBatch, StringFormat, columns_for, reshape_values
+from yogastore.format import (
+    ColumnBatch,
+    StringBuffer,
+    StringFormat,
+    columns_for,
+    reshape_values,
+)
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
 
-__all__ = ["batch_components", "element_components", "split_columns"]
+__all__ = [
+    "batch_components",
+    "batch_length",
+    "element_components",
+    "slice_batch",
+    "split_columns",
+]
 
 
 def split_columns(schema: Schema, cols: Sequence[ColumnBatch]) -> list[list[ColumnBatch]]:
@@ -119,4 +132,39 @@ def batch_components(
             out.append(_batched_ragged(comp, group, where, strings))
         else:
             out.append(_batched_sparse(comp, group, strings))
+    return out
+
+
+def _slice_rows(values: Any, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of an array or a ``StringBuffer`` (along the first dimension)."""
+    if not isinstance(values, StringBuffer):
+        return values[start:stop]
+    per = math.prod(values.shape[1:])
+    offsets = values.offsets[start * per : stop * per + 1]
+    data = values.data[int(offsets[0]) : int(offsets[-1])]
+    return StringBuffer(data, offsets - offsets[0], (stop - start, *values.shape[1:]))
+
+
+def batch_length(schema: Schema, comps: Sequence[Any]) -> int:
+    """Return the records in a batch of tensor and rank-0 ragged components."""
+    first = comps[0]
+    if isinstance(first, RaggedValue):
+        return len(first.nested_row_splits[0]) - 1
+    return len(first)
+
+
+def slice_batch(schema: Schema, comps: Sequence[Any], start: int, stop: int) -> list[Any]:
+    """Return records ``[start, stop)`` of a batch of tensor and rank-0 ragged components.
+
+    Views, no copies: slices of the batch's arrays and shifted row splits.
+    """
+    out: list[Any] = []
+    for comp, value in zip(schema.components, comps, strict=True):
+        if comp.kind is Kind.TENSOR:
+            out.append(_slice_rows(value, start, stop))
+            continue
+        splits = value.nested_row_splits[0]
+        a, b = int(splits[start]), int(splits[stop])
+        flat = _slice_rows(value.flat_values, a, b)
+        out.append(RaggedValue(flat, (splits[start : stop + 1] - splits[start],)))
     return out

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from storage_backends.errors import InvalidArgumentError
-from yogastore.assemble import batch_components, element_components
+from yogastore.assemble import batch_components, batch_length, element_components, slice_batch
 from yogastore.format import StringFormat
 from yogastore.order import (
     BlockShuffleOrder,
@@ -35,13 +35,13 @@ from yogastore.order import (
     slice_intervals,
     split_intervals,
 )
-from yogastore.spec import STRING, Schema, row_bytes
+from yogastore.spec import STRING, Kind, Schema, row_bytes
 
 if TYPE_CHECKING:
     from yogastore.reader import ChunkSource
     from yogastore.store import DatasetRef
 
-__all__ = ["Stream", "StreamState", "fixed_numeric"]
+__all__ = ["Stream", "StreamState", "fixed_numeric", "splittable"]
 
 IntArray = npt.NDArray[np.int64]
 # Version 2: the shuffled order is the unbalanced Feistel network of order.py;
@@ -148,6 +148,17 @@ def fixed_numeric(schema: Schema) -> bool:
     take the path that hands them over as buffers.
     """
     return bool(schema.components) and all(c.fixed and c.dtype != STRING for c in schema.components)
+
+
+def splittable(schema: Schema) -> bool:
+    """Whether batches of ``schema`` split into smaller batches by slicing.
+
+    True when every component is a fixed-shape tensor (strings too) or a ragged
+    component whose records have ragged rank 0 (a batch then has one row splits array).
+    """
+    return bool(schema.components) and all(
+        c.fixed or (c.kind is Kind.RAGGED and c.ragged_rank == 0) for c in schema.components
+    )
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -363,6 +374,10 @@ class Stream:
         schema = self.ref.schema
         where = self.ref.manifest.where
         k = self.group_factor(batch_size, _GATHER_BYTES, _MAX_GATHER_GROUP)
+        if k == 1 and splittable(schema) and type(self).column_batches is Stream.column_batches:
+            # Strings and ragged rows: gather about _GATHER_BYTES at once and slice.
+            per_record = self.ref.manifest.nbytes / max(1, self.num_records)
+            k = max(1, min(_MAX_GATHER_GROUP, round(_GATHER_BYTES / (per_record * batch_size))))
         if getattr(self.source, "plan", None) is not None:
             k = 1  # remote reads plan and cache per batch; they read ahead already
         # References to a batch are dropped before the next gather, so a
@@ -376,14 +391,14 @@ class Stream:
                 del batch
             return
         for _records, cols in self.column_batches(batch_size * k):
-            arrays = batch_components(schema, cols, where)
+            arrays = batch_components(schema, cols, where, strings)
             del cols
-            n = len(arrays[0])
+            n = batch_length(schema, arrays)
             for start in range(0, n, batch_size):
                 stop = min(start + batch_size, n)
                 if drop_remainder and stop - start < batch_size:
                     return  # only the stream's last batch can be short
-                batch = schema.pack([a[start:stop] for a in arrays])
+                batch = schema.pack(slice_batch(schema, arrays, start, stop))
                 yield batch
                 del batch
             del arrays

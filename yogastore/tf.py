@@ -6,9 +6,7 @@
   every component has a fixed shape.
 * ``to_tf_dataset``: a stream as a ``tf.data.Dataset``; one Python call per
   batch hands flat numpy arrays to TensorFlow and a graph-mode ``map``
-  rebuilds ragged and sparse components. Strings cross as one byte string
-  per batch plus offsets and are cut apart in the graph
-  (``tf.strings.substr``): no Python object per string.
+  rebuilds ragged and sparse components from values and row splits.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import tensorflow as tf
 
 from storage_backends.errors import UnsupportedElementError
 from yogastore.assemble import batch_components, element_components
-from yogastore.format import StringBuffer, StringFormat
 from yogastore.spec import (
     ComponentSpec,
     Kind,
@@ -33,7 +30,7 @@ from yogastore.spec import (
     leaf_paths,
     row_bytes,
 )
-from yogastore.stream import Stream, fixed_numeric
+from yogastore.stream import Stream, fixed_numeric, splittable
 
 __all__ = [
     "dataset_items",
@@ -172,7 +169,7 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         for batch in batched.as_numpy_iterator():
             yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
         return
-    if all(_batchable(c) for c in schema.components):
+    if splittable(schema):
         yield from _records_of_batches(ds, schema)
         return
     for element in numpy_records(ds.prefetch(64)):
@@ -182,11 +179,6 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         ):
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
-
-
-def _batchable(comp: ComponentSpec) -> bool:
-    """Whether ``Dataset.batch`` stacks this component so that records split back in numpy."""
-    return comp.fixed or (comp.kind is Kind.RAGGED and comp.ragged_rank == 0)
 
 
 def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
@@ -258,56 +250,13 @@ def _wire_specs(comp: ComponentSpec, batch: int | None, batched: bool) -> list[t
     ]
 
 
-def _buffer_specs(spec: tf.TensorSpec) -> list[tf.TensorSpec]:
-    """Wire of a string tensor as bytes + offsets + shape (see ``_strings_from``)."""
-    return [
-        tf.TensorSpec([], tf.string),
-        tf.TensorSpec([None], tf.int64),
-        tf.TensorSpec([spec.shape.rank], tf.int64),
-    ]
-
-
-def _expand_specs(specs: list[tf.TensorSpec], buffers: bool) -> list[tf.TensorSpec]:
-    if not buffers:
-        return specs
-    return [w for s in specs for w in (_buffer_specs(s) if s.dtype == tf.string else [s])]
-
-
-def _expand_values(values: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for v in values:
-        if isinstance(v, StringBuffer):
-            # One bytes object per batch; offsets and shape as int64 arrays.
-            out += [v.data.tobytes(), v.offsets, np.array(v.shape, dtype=np.int64)]
-        else:
-            out.append(v)
-    return out
-
-
-def _strings_from(blob: tf.Tensor, offsets: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
-    """Cut one byte string into a string tensor of ``shape`` at ``offsets``."""
-    flat = tf.strings.substr(blob, offsets[:-1], offsets[1:] - offsets[:-1])
-    return tf.reshape(flat, shape)
-
-
-def _rebuild(
-    schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: bool, buffers: bool = False
-) -> Any:
+def _rebuild(schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: bool) -> Any:
     out: list[Any] = []
     i = 0
     for comp in schema.components:
-        specs = _wire_specs(comp, batch, batched)
-        parts: list[Any] = []
-        for spec in specs:
-            if buffers and spec.dtype == tf.string:
-                t = _strings_from(*wire[i : i + 3])
-                t.set_shape(spec.shape)
-                parts.append(t)
-                i += 3
-            else:
-                parts.append(wire[i])
-                i += 1
-        n = len(specs)
+        n = len(_wire_specs(comp, batch, batched))
+        parts = wire[i : i + n]
+        i += n
         if comp.kind is Kind.TENSOR or (comp.kind is Kind.RAGGED and n == 1):
             out.append(parts[0])
         elif comp.kind is Kind.RAGGED:
@@ -333,27 +282,31 @@ def to_tf_dataset(
         return _fixed_dataset(stream, schema, batch_size, drop_remainder)
     if unbatch:
         return _per_element_dataset(stream, schema)
+    if splittable(schema):
+        assert batch_size is not None
+        return _grouped_dataset(stream, schema, batch_size, drop_remainder)
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     static = size if (drop_remainder and not unbatch) else None
-    wire = [s for c in schema.components for s in _wire_specs(c, static, True)]
-    specs = tuple(_expand_specs(wire, True))
+    specs = tuple(s for c in schema.components for s in _wire_specs(c, static, True))
 
     def generate() -> Iterator[tuple[Any, ...]]:
+        # Strings cross as object arrays of bytes made in C (yogastore._gather.split_bytes):
+        # measured faster than one byte string per batch cut by tf.strings.substr, whose
+        # conversion into a tensor costs more than the per-string objects.
         for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
-            comps = batch_components(schema, cols, where, StringFormat.BUFFERS)
+            comps = batch_components(schema, cols, where)
             del cols
-            values = [w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)]
+            yield tuple(
+                w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
+            )
             del comps
-            yield tuple(_expand_values(values))
-            del values
 
-    @tf.autograph.experimental.do_not_convert
-    def rebuild(*w: Any) -> Any:  # plain graph code: nothing for AutoGraph to convert
-        return _rebuild(schema, w, static, True, buffers=True)
+    def rebuild(*w: Any) -> Any:
+        return _rebuild(schema, w, static, True)
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
     ds = ds.map(
-        rebuild,
+        tf.autograph.experimental.do_not_convert(rebuild),  # plain graph code, nothing to convert
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
@@ -407,6 +360,84 @@ def _fixed_dataset(
     if not whole or unbatch:
         ds = ds.unbatch()
     return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
+
+
+def _grouped_dataset(
+    stream: Stream, schema: Schema, batch_size: int, drop_remainder: bool
+) -> tf.data.Dataset:
+    """Strings and rank-0 ragged components: several batches per Python call, like fixed ones.
+
+    The generator hands over ``k`` consecutive batches as ``[k, batch, ...]`` tensors (ragged
+    components as flat values + row splits of ``k * batch`` rows, regrouped in the graph with
+    a uniform row length) and ``unbatch`` splits them in C++: the per-call cost of
+    ``from_generator`` is paid once per about ``_GROUP_BYTES``.
+    """
+    where = stream.ref.manifest.where
+    size = batch_size
+    per_record = stream.ref.manifest.nbytes / max(1, stream.ref.num_records)
+    k = max(1, min(_MAX_GROUP, round(_GROUP_BYTES / max(1.0, per_record * size))))
+    if type(stream).column_batches is not Stream.column_batches:
+        k = 1  # a subclass may give batches a meaning of their own (steps, padding)
+    static = size if drop_remainder else None
+    comps = schema.components
+    specs: list[tf.TensorSpec] = [tf.TensorSpec([], tf.int64)]  # rows per batch
+    for c in comps:
+        dtype = _tf_dtype(c.dtype)
+        if c.kind is Kind.TENSOR:
+            specs.append(tf.TensorSpec([None, None, *c.shape], dtype))
+        else:
+            splits = tf.as_dtype(c.row_splits_dtype)
+            specs += [tf.TensorSpec([None, *c.shape[1:]], dtype), tf.TensorSpec([None], splits)]
+
+    def wire(arrays: list[Any], start: int, stop: int, rows: int) -> tuple[Any, ...]:
+        out: list[Any] = [np.int64(rows)]
+        for c, a in zip(comps, arrays, strict=True):
+            if c.kind is Kind.TENSOR:
+                part = a[start:stop]
+                out.append(part.reshape(len(part) // rows, rows, *part.shape[1:]))
+            else:
+                sp = a.nested_row_splits[0]
+                out += [a.flat_values[sp[start] : sp[stop]], sp[start : stop + 1] - sp[start]]
+        return tuple(out)
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        for _records, cols in stream.column_batches(size * k):
+            arrays = batch_components(schema, cols, where)
+            del cols
+            n = (
+                len(arrays[0])
+                if comps[0].kind is Kind.TENSOR
+                else len(arrays[0].nested_row_splits[0]) - 1
+            )
+            full = n // size * size
+            if full:
+                yield wire(arrays, 0, full, size)
+            if full < n and not drop_remainder:
+                yield wire(arrays, full, n, n - full)
+            del arrays
+
+    def regroup(rows: Any, *w: Any) -> Any:
+        out: list[Any] = []
+        i = 0
+        for c in comps:
+            if c.kind is Kind.TENSOR:
+                t = w[i]
+                t.set_shape([None, static, *c.shape])
+                out.append(t)
+                i += 1
+                continue
+            flat = tf.RaggedTensor.from_row_splits(w[i], w[i + 1], validate=False)
+            rt = tf.RaggedTensor.from_uniform_row_length(
+                flat, tf.cast(rows, flat.row_splits.dtype), validate=False
+            )
+            rt._set_shape([None, static, *c.shape])  # restores the static dims tf.data expects
+            out.append(rt)
+            i += 2
+        return schema.pack(out)
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=tuple(specs))
+    ds = ds.map(tf.autograph.experimental.do_not_convert(regroup)).unbatch()
+    return _finish(ds, row_bytes(schema) * size)
 
 
 def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
