@@ -6,6 +6,7 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 S3RVER := tests/s3rver/node_modules/.installed
+STAMP_BENCH := $(VENV)/.installed-bench
 
 .PHONY: demo test lint typecheck unit bench horovod clean
 
@@ -45,7 +46,11 @@ unit: $(STAMP_TEST) $(S3RVER)
 
 test: $(STAMP_TEST) horovod lint typecheck unit
 
-bench: $(STAMP_TEST)
+$(STAMP_BENCH): pyproject.toml $(STAMP_TEST)
+	$(PIP) install -q -e '.[tf,s3,test,bench]'
+	touch $@
+
+bench: $(STAMP_BENCH)
 	$(PY) -m benchmarks.read_throughput $(BENCH_ARGS)
 
 clean:

@@ -23,11 +23,14 @@ FEATURES = ("x", "y")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Case:
-    """One benchmark case: N records of a fixed uint8 shape plus an int64 label."""
+    """One benchmark case: N records of a fixed uint8 shape (or, for ``kind`` images, text
+    and jpeg, of variable length, ``mean_bytes`` on average) plus an int64 label."""
 
     name: str
     records: int
     shape: tuple[int, ...]
+    kind: str = "fixed"
+    mean_bytes: int = 0
     batch_size: int = 256
     num_shards: int = 4
     shard_rank: int = 0
@@ -39,7 +42,7 @@ class Case:
 
     @property
     def record_bytes(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(self.shape) if self.kind == "fixed" else self.mean_bytes
 
     @property
     def payload_bytes(self) -> int:
@@ -65,8 +68,9 @@ class Case:
         return (r + 1) * n // k - r * n // k
 
     def describe(self) -> str:
+        what = list(self.shape) if self.kind == "fixed" else f"{self.kind}, mean"
         return (
-            f"{self.records} records x {self.record_bytes} B {list(self.shape)} + int64 label, "
+            f"{self.records} records x {self.record_bytes} B {what} + int64 label, "
             f"batch {self.batch_size}, rank {self.shard_rank} of {self.num_shards}"
         )
 

@@ -21,7 +21,10 @@ In one run, on the same records (random bytes plus an int64 label), per case:
     build pays for its output on this disk).
 
 Cases: ``main`` (``--records`` x ``--record-bytes``), ``small`` (100-byte records)
-and ``large`` (224x224x3 uint8 images, 150 KB). Every method is checked against the
+and ``large`` (224x224x3 uint8 images, 150 KB); the variable-length cases ``images``,
+``text`` and ``jpeg`` have rows of their own (see ``benchmarks/_varlen.py``), and
+``main`` and ``images`` are also read while another process keeps one core busy
+((k1)/(k2), ``--no-contended`` skips them). Every method is checked against the
 source data; each timed run reads at least ``--read-mib`` in whole epochs or passes
 (fewer for slow methods: ``--max-seconds-per-run``). Rates are the median of
 ``--repeats`` runs. Results go to a table on stdout and to JSON (``benchmarks/results/``
@@ -43,18 +46,28 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import _methods, _yogadl
+from benchmarks import _methods, _peers, _varlen, _yogadl
 from benchmarks._common import Case, make_records, quiet_tensorflow, write_tfrecord
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-#: (label, numerator row, denominator row, comparison, target).
+#: (label, numerator row, denominator row or None for the row's own ratio, comparison, target).
 TARGETS = (
     ("(b) tf.data / (a) TFRecordDataset", "b", "a", ">=", 2.0),
     ("(c) batches / (d) numpy gather", "c", "d", ">=", 0.6),
     ("(b) tf.data / (f) YogaDL", "b", "f", ">=", 50.0),
     ("(g) build / plain iteration", "g", None, "<=", 1.5),
 )
+CONTENDED_TARGET = ("(k2) / (k1), one core busy", "k2", "k1", ">=", 1.5)
+VAR_TARGETS = (
+    ("(b) tf.data / (a) TFRecordDataset", "b", "a", ">=", 2.0),
+    ("(b) tf.data / (e3) shard+shuffle", "b", "e3", ">=", 5.0),
+    ("(c) batches / (d) memory gather", "c", "d", ">=", 0.6),
+    ("(c) batches / (p) Grain+ArrayRecord", "c", "p", ">=", 2.0),
+    ("(g) build / (iteration + write)", "g", None, "<=", 1.5),
+    ("(g2) build / (iteration + write)", "g2", None, "<=", 1.5),
+)
+VAR_KINDS = ("images", "text", "jpeg")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,11 +76,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--records", type=int, default=20000, help="records of the main case")
+    p.add_argument("--records", type=int, default=262144, help="records of the main case (1 GiB)")
     p.add_argument("--record-bytes", type=int, default=4096, help="bytes per main-case record")
     p.add_argument("--small-records", type=int, default=100000, help="records of 100 B")
     p.add_argument("--large-records", type=int, default=2000, help="images of 224x224x3")
-    p.add_argument("--cases", default="main,small,large", help="comma list of main,small,large")
+    p.add_argument("--images-records", type=int, default=80000, help="images of 2-24 KiB (1 GiB)")
+    p.add_argument("--text-records", type=int, default=400000, help="texts of 50-500 B")
+    p.add_argument("--jpeg-records", type=int, default=4000, help="real JPEGs, 64-128 px")
+    p.add_argument(
+        "--cases",
+        default="main,small,large,images,text,jpeg",
+        help="comma list of main,small,large,images,text,jpeg",
+    )
+    p.add_argument("--no-contended", action="store_true", help="skip rows (k1)/(k2)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--num-shards", type=int, default=4)
     p.add_argument("--shard-rank", type=int, default=0)
@@ -112,10 +133,22 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
         "small": (args.small_records, (100,)),
         "large": (args.large_records, (224, 224, 3)),
     }
+    # Mean payload bytes of the variable-length cases (uniform lengths, see _varlen).
+    var = {
+        "images": (args.images_records, 13 << 10),
+        "text": (args.text_records, 275 + 4 * 55),
+        "jpeg": (args.jpeg_records, 0),
+    }
     cases = []
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
+        if name in var:
+            records, mean = var[name]
+            cases.append(
+                Case(name=name, records=records, shape=(), kind=name, mean_bytes=mean, **common)
+            )
+            continue
         if name not in shapes:
-            raise SystemExit(f"unknown case {name!r}; choose from {', '.join(shapes)}")
+            raise SystemExit(f"unknown case {name!r}; choose from {', '.join([*shapes, *var])}")
         records, shape = shapes[name]
         cases.append(Case(name=name, records=records, shape=shape, **common))
     return cases
@@ -130,6 +163,8 @@ def run_case(
 ) -> dict[str, Any]:
     import yogastore
 
+    if case.kind in VAR_KINDS:
+        return run_var_case(case, args, work)
     log(f"case {case.name}: {case.describe()}")
     work.mkdir(parents=True, exist_ok=True)
     data = make_records(case)
@@ -153,6 +188,20 @@ def run_case(
         ("f", "YogaDL", lambda: [_yogadl_row(ctx, args, yogadl)]),
         ("g", "cache build", lambda: _methods.build_rows(ctx)),
     ]
+    targets = TARGETS
+    if case.name == "main" and not args.no_contended:
+        steps.append(
+            (
+                "k",
+                "under load",
+                lambda: _peers.contended_rows(
+                    ctx,
+                    lambda: _methods.tfrecord_sequential(ctx),
+                    lambda: _methods.stream_tf(ctx),
+                ),
+            )
+        )
+        targets = (*TARGETS, CONTENDED_TARGET)
     for key, label, fn in steps:
         log(f"  ({key}) {label}")
         rows.extend(_run_step(key, label, case, fn))
@@ -165,7 +214,69 @@ def run_case(
         "tfrecord_bytes": tfrecord.stat().st_size,
         "first_build_seconds": first_build,
         "rows": rows,
-        "targets": evaluate_targets(rows),
+        "targets": evaluate_targets(rows, targets),
+    }
+
+
+def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The rows of a variable-length case (``images``, ``text``, ``jpeg``)."""
+    import types
+
+    import yogastore
+
+    work.mkdir(parents=True, exist_ok=True)
+    recs = _varlen.make_records(case)
+    mean = (recs.nbytes - recs.labels.nbytes) // max(1, case.records)
+    case = dataclasses.replace(case, mean_bytes=int(mean))
+    log(f"case {case.name}: {case.describe()}")
+    tfrecord = work / "records.tfrecord"
+    _varlen.write_tfrecord(tfrecord, recs)
+    store = yogastore.Store(str(work / "store"))
+    start = time.perf_counter()
+    ref = store.cache(_varlen.DATASET, "1", lambda: _varlen.tfrecord_source(tfrecord, case))
+    first_build = time.perf_counter() - start
+    ctx = _varlen.VarContext(case, work, recs, tfrecord, store, ref)
+    shim = types.SimpleNamespace(case=case, ref=ref, data=recs.x, work=work)
+    steps: list[tuple[str, str, Any]] = [
+        ("a", "TFRecord", lambda: _varlen.tfrecord_rows(ctx)),
+        ("b", "stream -> tf.data", lambda: [_varlen.stream_tf_row(ctx)]),
+        ("c", "stream.batches", lambda: _varlen.stream_numpy_rows(ctx)),
+        ("d", "memory gather", lambda: [_varlen.memory_gather_row(ctx)]),
+        ("p", "Grain + ArrayRecord", lambda: [_peers.grain_row(ctx)]),
+    ]
+    if case.kind == "jpeg":
+        steps.append(("h", "decode_jpeg + resize", lambda: _peers.decode_rows(ctx)))
+    targets = VAR_TARGETS
+    if case.kind == "images" and not args.no_contended:
+        steps.append(
+            (
+                "k",
+                "under load",
+                lambda: _peers.contended_rows(
+                    ctx,
+                    lambda: _varlen.tfrecord_rows(ctx)[0],
+                    lambda: _varlen.stream_tf_row(ctx),
+                ),
+            )
+        )
+        targets = (*VAR_TARGETS, CONTENDED_TARGET)
+    steps.append(
+        ("g", "cache build", lambda: _varlen.build_rows(ctx, lambda: _methods._write_floor(shim)))
+    )
+    rows: list[dict[str, Any]] = []
+    for key, label, fn in steps:
+        log(f"  ({key}) {label}")
+        rows.extend(_run_step(key, label, case, fn))
+    return {
+        "case": dataclasses.asdict(case),
+        "record_bytes": case.record_bytes,
+        "payload_bytes": case.payload_bytes,
+        "dataset_bytes": int(ref.nbytes),
+        "chunks": len(ref.manifest.chunks),
+        "tfrecord_bytes": tfrecord.stat().st_size,
+        "first_build_seconds": first_build,
+        "rows": rows,
+        "targets": evaluate_targets(rows, targets),
     }
 
 
@@ -212,16 +323,18 @@ def _yogadl_row(
     return row
 
 
-def evaluate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def evaluate_targets(
+    rows: list[dict[str, Any]], targets: tuple[tuple[Any, ...], ...] = TARGETS
+) -> list[dict[str, Any]]:
     by_key = {r["key"]: r for r in rows}
     out = []
-    for label, num, den, op, target in TARGETS:
+    for label, num, den, op, target in targets:
         a = by_key.get(num)
         b = by_key.get(den) if den else None
         value: float | None = None
         why = ""
         if den is None and a is not None:
-            value = a.get("ratio")
+            value = a.get("ratio_with_write" if "write" in label else "ratio")
         elif a is not None and b is not None and a.get("rate") and b.get("rate"):
             value = a["rate"] / b["rate"]
         if value is None:

@@ -33,6 +33,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
         "--record-bytes=96",
         "--small-records=400",
         "--large-records=12",
+        "--images-records=200",
+        "--text-records=300",
+        "--jpeg-records=30",
         "--repeats=2",
         "--read-mib=1",
         "--no-yogadl",
@@ -48,22 +51,80 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     return json.loads(out.read_text()), proc.stdout
 
 
+FIXED_KEYS = ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2", "g3"]
+VAR_KEYS = ["a", "e3", "b", "c", "c2", "d", "p"]
+FIXED_TARGETS = [
+    "(b) tf.data / (a) TFRecordDataset",
+    "(c) batches / (d) numpy gather",
+    "(b) tf.data / (f) YogaDL",
+    "(g) build / plain iteration",
+]
+VAR_TARGETS = [
+    "(b) tf.data / (a) TFRecordDataset",
+    "(b) tf.data / (e3) shard+shuffle",
+    "(c) batches / (d) memory gather",
+    "(c) batches / (p) Grain+ArrayRecord",
+    "(g) build / (iteration + write)",
+    "(g2) build / (iteration + write)",
+]
+CONTENDED = "(k2) / (k1), one core busy"
+
+
 @pytest.mark.slow
 def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
     doc, stdout = tiny_run
-    assert [c["case"]["name"] for c in doc["cases"]] == ["main", "small", "large"]
+    names = [c["case"]["name"] for c in doc["cases"]]
+    assert names == ["main", "small", "large", "images", "text", "jpeg"]
+    expected = {
+        "main": ([*FIXED_KEYS, "k1", "k2"], [*FIXED_TARGETS, CONTENDED]),
+        "small": (FIXED_KEYS, FIXED_TARGETS),
+        "large": (FIXED_KEYS, FIXED_TARGETS),
+        "images": ([*VAR_KEYS, "k1", "k2", "g", "g2", "g3"], [*VAR_TARGETS, CONTENDED]),
+        "text": ([*VAR_KEYS, "g", "g2", "g3"], VAR_TARGETS),
+        "jpeg": ([*VAR_KEYS, "h1", "h2", "g", "g2", "g3"], VAR_TARGETS),
+    }
     for case in doc["cases"]:
-        keys = [r["key"] for r in case["rows"]]
-        assert keys == ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2", "g3"], keys
-        assert [t["target"] for t in case["targets"]] == [
-            "(b) tf.data / (a) TFRecordDataset",
-            "(c) batches / (d) numpy gather",
-            "(b) tf.data / (f) YogaDL",
-            "(g) build / plain iteration",
-        ]
-    assert stdout.count("targets:") == 3
+        keys, targets = expected[case["case"]["name"]]
+        assert [r["key"] for r in case["rows"]] == keys
+        assert [t["target"] for t in case["targets"]] == targets
+    assert stdout.count("targets:") == 6
     assert "skipped (--no-yogadl)" in stdout
     assert doc["machine"]["nproc"] >= 1
+
+
+VAR_TIMED = ("a", "e3", "b", "c", "c2", "d", "p", "k1", "k2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", VAR_TIMED, ids=VAR_TIMED)
+def test_variable_length_rows_read_exact_bytes(tiny_run: tuple[dict, str], key: str) -> None:
+    doc, _ = tiny_run
+    for case in doc["cases"]:
+        spec = case["case"]
+        if spec["kind"] == "fixed" or key not in {r["key"] for r in case["rows"]}:
+            continue
+        row = next(r for r in case["rows"] if r["key"] == key)
+        assert row["error"] is None, row["error"]
+        check = row["verified"]
+        # Every record of the untimed pass, byte for byte (and every token id for text).
+        assert check["ok"] and check["wrong_records"] == 0 and check["labels_match"]
+        assert check["byte_sum"] == check["expected_byte_sum"] > 0
+        n, shards, rank = spec["records"], spec["num_shards"], spec["shard_rank"]
+        span = (rank + 1) * n // shards - rank * n // shards
+        one_pass = {"a": n, "k1": n, "e3": len(range(rank, n, shards))}.get(key, span)
+        assert check["records"] == check["expected_records"] == one_pass
+        assert row["runs_ok"] and row["records_per_run"] == row["passes"] * one_pass
+        assert row["rate"] > 0
+
+
+@pytest.mark.slow
+def test_decode_rows_decode_real_jpegs(tiny_run: tuple[dict, str]) -> None:
+    doc, _ = tiny_run
+    jpeg = next(c for c in doc["cases"] if c["case"]["name"] == "jpeg")
+    for key in ("h1", "h2"):
+        row = next(r for r in jpeg["rows"] if r["key"] == key)
+        assert row["error"] is None and row["runs_ok"] and row["verified"]["ok"]
+        assert row["verified"]["decoded_shape"][1:] == [64, 64, 3]
 
 
 @pytest.mark.slow
@@ -72,6 +133,8 @@ def test_numbers_come_from_verified_reads(tiny_run: tuple[dict, str], key: str) 
     doc, _ = tiny_run
     for case in doc["cases"]:
         spec = case["case"]
+        if spec["kind"] != "fixed":
+            continue  # test_variable_length_rows_read_exact_bytes
         n, shards, rank = spec["records"], spec["num_shards"], spec["shard_rank"]
         row = next(r for r in case["rows"] if r["key"] == key)
         assert row["error"] is None, row["error"]
@@ -101,6 +164,8 @@ def test_numbers_come_from_verified_reads(tiny_run: tuple[dict, str], key: str) 
 def test_stream_tf_row_has_peak_rss_and_build_rows_counted(tiny_run: tuple[dict, str]) -> None:
     doc, _ = tiny_run
     for case in doc["cases"]:
+        if case["case"]["kind"] != "fixed":
+            continue
         rows = {r["key"]: r for r in case["rows"]}
         assert rows["b"]["peak_rss_mib"] >= rows["b"]["rss_after_import_mib"] > 0
         assert rows["b"]["read_per_epoch"] > 0

@@ -13,7 +13,8 @@ import tensorflow as tf
 
 import yogastore
 from yogastore._gather import gather_rows
-from yogastore.format import ALIGN, BufferPool
+from yogastore.format import ALIGN
+from yogastore.rows import BufferPool
 
 SMALL, BIG = "small", "big"
 # Small records: Stream.batches gathers many batches at once and hands out views.

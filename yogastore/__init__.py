@@ -23,6 +23,7 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from storage_backends.s3_options import Coordination
+from yogastore.format import StringBuffer, StringFormat
 from yogastore.order import Shuffle
 from yogastore.progress import NullProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
@@ -58,6 +59,8 @@ __all__ = [
     "Store",
     "Stream",
     "StreamState",
+    "StringBuffer",
+    "StringFormat",
     "UnsupportedElementError",
     "YogaStoreError",
     "__version__",

@@ -6,6 +6,14 @@
  * the read the copy uses; the copy runs without the GIL. All three buffers
  * must be contiguous; starts holds int64.
  *
+ * gather_ranges(dst, src, starts, lengths) appends, for every i, the bytes
+ * src[starts[i] : starts[i] + lengths[i]] to dst (variable-length records:
+ * strings, ragged values) and returns the bytes written. Each (start, length)
+ * is checked on the read the copy uses, without the GIL.
+ *
+ * split_bytes(data, offsets) returns the list of bytes objects
+ * data[offsets[i] : offsets[i + 1]] (strings as Python objects, when asked for).
+ *
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
  * permutation of yogastore.order.FeistelPermutation (same rounds, same words,
  * same cycle walking) on int64 values in [0, n), writing int64 images to out.
@@ -81,6 +89,108 @@ done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&starts);
+    return result;
+}
+
+static PyObject *gather_ranges(PyObject *module, PyObject *args) {
+    Py_buffer dst, src, starts, lengths;
+    PyObject *result = NULL;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*", &dst, &src, &starts, &lengths)) {
+        return NULL;
+    }
+    if (starts.len % (Py_ssize_t)sizeof(int64_t) != 0 || starts.len != lengths.len) {
+        PyErr_SetString(PyExc_ValueError, "starts and lengths must be int64 buffers of one size");
+        goto done;
+    }
+    {
+        const Py_ssize_t n = starts.len / (Py_ssize_t)sizeof(int64_t);
+        const int64_t *pos = (const int64_t *)starts.buf, *len = (const int64_t *)lengths.buf;
+        const int64_t src_len = (int64_t)src.len, dst_len = (int64_t)dst.len;
+        char *out = (char *)dst.buf;
+        const char *in = (const char *)src.buf;
+        Py_ssize_t bad = -1;
+        int64_t bad_start = 0, bad_len = 0, total = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s, k;
+            /* Read once, then checked and used: a concurrent writer of starts or
+             * lengths cannot move the copy outside src or dst. */
+            memcpy(&s, pos + i, sizeof s);
+            memcpy(&k, len + i, sizeof k);
+            if (s < 0 || k < 0 || s > src_len || k > src_len - s || k > dst_len - total) {
+                bad = i;
+                bad_start = s;
+                bad_len = k;
+                break;
+            }
+            memcpy(out + total, in + s, (size_t)k);
+            total += k;
+        }
+        Py_END_ALLOW_THREADS
+        if (bad >= 0) {
+            PyErr_Format(PyExc_IndexError,
+                         "range %zd (start %lld, length %lld) lies outside the %zd-byte source "
+                         "or overflows the %zd-byte destination",
+                         bad, (long long)bad_start, (long long)bad_len, src.len, dst.len);
+            goto done;
+        }
+        result = PyLong_FromLongLong((long long)total);
+    }
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&lengths);
+    return result;
+}
+
+static PyObject *split_bytes(PyObject *module, PyObject *args) {
+    Py_buffer data, offsets;
+    PyObject *result = NULL;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "y*y*", &data, &offsets)) {
+        return NULL;
+    }
+    if (offsets.len % (Py_ssize_t)sizeof(int64_t) != 0 || offsets.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "offsets must be a non-empty int64 buffer");
+        goto done;
+    }
+    {
+        const Py_ssize_t n = offsets.len / (Py_ssize_t)sizeof(int64_t) - 1;
+        const int64_t *off = (const int64_t *)offsets.buf;
+        const char *in = (const char *)data.buf;
+        PyObject *list = PyList_New(n);
+        if (list == NULL) {
+            goto done;
+        }
+        int64_t a;
+        memcpy(&a, off, sizeof a);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t b;
+            memcpy(&b, off + i + 1, sizeof b);
+            if (a < 0 || b < a || b > (int64_t)data.len) {
+                PyErr_Format(PyExc_IndexError,
+                             "string %zd spans bytes [%lld, %lld) outside the %zd-byte buffer", i,
+                             (long long)a, (long long)b, data.len);
+                Py_DECREF(list);
+                goto done;
+            }
+            PyObject *item = PyBytes_FromStringAndSize(in + a, (Py_ssize_t)(b - a));
+            if (item == NULL) {
+                Py_DECREF(list);
+                goto done;
+            }
+            PyList_SET_ITEM(list, i, item);
+            a = b;
+        }
+        result = list;
+    }
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&offsets);
     return result;
 }
 
@@ -248,6 +358,11 @@ static PyMethodDef methods[] = {
     {"gather_rows", gather_rows, METH_VARARGS,
      "gather_rows(dst, src, starts, row_bytes): copy rows src[starts[i]:+row_bytes] "
      "into dst, in order. Bounds are checked first; the copy releases the GIL."},
+    {"gather_ranges", gather_ranges, METH_VARARGS,
+     "gather_ranges(dst, src, starts, lengths) -> int: append src[starts[i]:+lengths[i]] to "
+     "dst, in order; every range is checked on the read the copy uses (without the GIL)."},
+    {"split_bytes", split_bytes, METH_VARARGS,
+     "split_bytes(data, offsets) -> list[bytes]: data[offsets[i]:offsets[i + 1]] for each i."},
     {"feistel", feistel, METH_VARARGS,
      "feistel(out, values, keys, high_bits, low_bits, wide, n): keyed permutation of "
      "int64 values in [0, n) into out (see yogastore.order.FeistelPermutation)."},
@@ -256,7 +371,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "yogastore._gather",
-    "Compiled loops of the read path: row gather (yogastore.format.FixedRows) and "
+    "Compiled loops of the read path: row and range gathers (yogastore.rows) and "
     "the shuffled order (yogastore.order.FeistelPermutation).", -1, methods,
 };
 

@@ -7,16 +7,29 @@ record or per batch, with vectorised numpy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from storage_backends.errors import UnsupportedElementError
-from yogastore.format import ColumnBatch, columns_for
+from yogastore.format import (
+    ColumnBatch,
+    StringBuffer,
+    StringFormat,
+    columns_for,
+    reshape_values,
+)
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
 
-__all__ = ["batch_components", "element_components", "split_columns"]
+__all__ = [
+    "batch_components",
+    "batch_length",
+    "element_components",
+    "slice_batch",
+    "split_columns",
+]
 
 
 def split_columns(schema: Schema, cols: Sequence[ColumnBatch]) -> list[list[ColumnBatch]]:
@@ -46,7 +59,9 @@ def element_components(schema: Schema, cols: Sequence[ColumnBatch], i: int) -> l
     return out
 
 
-def _batched_ragged(comp: ComponentSpec, group: list[ColumnBatch], where: str) -> RaggedValue:
+def _batched_ragged(
+    comp: ComponentSpec, group: list[ColumnBatch], where: str, strings: StringFormat
+) -> RaggedValue:
     flat = group[0]
     b = len(flat)
     lead = flat.shapes[:, 0] if flat.spec.ndim else np.ones(b, dtype=np.int64)
@@ -56,7 +71,7 @@ def _batched_ragged(comp: ComponentSpec, group: list[ColumnBatch], where: str) -
     inner_shape = (
         tuple(int(d) for d in inner[0]) if b else tuple(d or 0 for d in flat.spec.shape[1:])
     )
-    values = flat.values().reshape(-1, *inner_shape)
+    values = reshape_values(flat.values(strings), (-1, *inner_shape))
     splits: list[np.ndarray] = []
     dtype = np.dtype(comp.row_splits_dtype)
     if comp.ragged_rank == 0:
@@ -80,7 +95,9 @@ def _batched_ragged(comp: ComponentSpec, group: list[ColumnBatch], where: str) -
     return RaggedValue(values, tuple(splits))
 
 
-def _batched_sparse(comp: ComponentSpec, group: list[ColumnBatch]) -> SparseValue:
+def _batched_sparse(
+    comp: ComponentSpec, group: list[ColumnBatch], strings: StringFormat
+) -> SparseValue:
     indices_col, values_col, shape_col = group
     rank = len(comp.shape)
     b = len(indices_col)
@@ -91,17 +108,63 @@ def _batched_sparse(comp: ComponentSpec, group: list[ColumnBatch]) -> SparseValu
     indices = np.concatenate([ids[:, None], idx], axis=1)
     dense = shape_col.data.reshape(b, rank)
     dims = dense.max(axis=0) if b else np.array([d or 0 for d in comp.shape], dtype=np.int64)
-    return SparseValue(indices, values_col.values(), np.concatenate([[b], dims]).astype(np.int64))
+    return SparseValue(
+        indices, values_col.values(strings), np.concatenate([[b], dims]).astype(np.int64)
+    )
 
 
-def batch_components(schema: Schema, cols: Sequence[ColumnBatch], where: str) -> list[Any]:
-    """Return the components of a whole batch, stacked like ``tf.data`` ``batch``."""
+def batch_components(
+    schema: Schema,
+    cols: Sequence[ColumnBatch],
+    where: str,
+    strings: StringFormat = StringFormat.OBJECTS,
+) -> list[Any]:
+    """Return the components of a whole batch, stacked like ``tf.data`` ``batch``.
+
+    Strings come as ``strings`` says: object arrays, or ``StringBuffer``s
+    (bytes plus offsets, no Python object per string).
+    """
     out: list[Any] = []
     for comp, group in zip(schema.components, split_columns(schema, cols), strict=True):
         if comp.kind is Kind.TENSOR:
-            out.append(group[0].stacked(where))
+            out.append(group[0].stacked(where, strings))
         elif comp.kind is Kind.RAGGED:
-            out.append(_batched_ragged(comp, group, where))
+            out.append(_batched_ragged(comp, group, where, strings))
         else:
-            out.append(_batched_sparse(comp, group))
+            out.append(_batched_sparse(comp, group, strings))
+    return out
+
+
+def _slice_rows(values: Any, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of an array or a ``StringBuffer`` (along the first dimension)."""
+    if not isinstance(values, StringBuffer):
+        return values[start:stop]
+    per = math.prod(values.shape[1:])
+    offsets = values.offsets[start * per : stop * per + 1]
+    data = values.data[int(offsets[0]) : int(offsets[-1])]
+    return StringBuffer(data, offsets - offsets[0], (stop - start, *values.shape[1:]))
+
+
+def batch_length(schema: Schema, comps: Sequence[Any]) -> int:
+    """Return the records in a batch of tensor and rank-0 ragged components."""
+    first = comps[0]
+    if isinstance(first, RaggedValue):
+        return len(first.nested_row_splits[0]) - 1
+    return len(first)
+
+
+def slice_batch(schema: Schema, comps: Sequence[Any], start: int, stop: int) -> list[Any]:
+    """Return records ``[start, stop)`` of a batch of tensor and rank-0 ragged components.
+
+    Views, no copies: slices of the batch's arrays and shifted row splits.
+    """
+    out: list[Any] = []
+    for comp, value in zip(schema.components, comps, strict=True):
+        if comp.kind is Kind.TENSOR:
+            out.append(_slice_rows(value, start, stop))
+            continue
+        splits = value.nested_row_splits[0]
+        a, b = int(splits[start]), int(splits[stop])
+        flat = _slice_rows(value.flat_values, a, b)
+        out.append(RaggedValue(flat, (splits[start : stop + 1] - splits[start],)))
     return out

@@ -27,12 +27,11 @@ raises ``CorruptCacheError`` naming the chunk and what failed.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import json
 import math
 import struct
-import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,21 +43,24 @@ from yogastore import boundedjson
 from yogastore.blocks import block_size, digest_blocks
 from yogastore.spec import STRING, ComponentSpec, Kind, numpy_dtype
 
-try:  # the compiled row gather; without it FixedRows uses one numpy fancy index
+try:  # compiled loops; without them the gathers fall back to numpy
     from yogastore import _gather
 except ImportError:  # pragma: no cover - the package builds it on install
     _gather = None  # type: ignore[assignment]
 
 __all__ = [
-    "BufferPool",
     "ChunkBuilder",
     "ChunkView",
     "ColumnBatch",
     "ColumnSpec",
-    "FixedRows",
+    "StringBuffer",
+    "StringFormat",
     "columns_for",
     "encode_chunk",
+    "gather",
     "parse_header",
+    "reshape_values",
+    "split_strings",
 ]
 
 MAGIC = b"YGC1"
@@ -491,16 +493,77 @@ class ChunkView:
         return _ColumnView(spec, data, shapes, offsets, boffsets)
 
 
-# Gathering -------------------------------------------------------------------
+# Batches ---------------------------------------------------------------------
 
 
-def _segments(starts: IntArray, lengths: IntArray) -> IntArray:
-    """Return ``concat(arange(s, s + n) for s, n in zip(starts, lengths))``."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.empty(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - ends + lengths, lengths) + np.arange(total, dtype=np.int64)
+class StringFormat(enum.Enum):
+    """How a batch hands over strings.
+
+    ``OBJECTS``: a numpy object array of ``bytes`` (one Python object per
+    string). ``BUFFERS``: a ``StringBuffer``, all bytes in one array plus
+    offsets, with no Python object per string.
+    """
+
+    OBJECTS = "objects"
+    BUFFERS = "buffers"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StringBuffer:
+    """Strings as one byte buffer plus offsets: string ``i`` is ``data[offsets[i]:offsets[i + 1]]``.
+
+    Attributes:
+        data: ``uint8`` array holding every string's bytes, back to back.
+        offsets: ``int64`` array of ``n + 1`` ascending byte offsets from 0.
+        shape: the shape of the string array (its product is ``n``), e.g.
+            ``(batch,)`` for a batch of scalar strings.
+    """
+
+    data: np.ndarray
+    offsets: np.ndarray
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.offsets) - 1
+        if n < 0 or math.prod(self.shape) != n:
+            raise UnsupportedElementError(
+                f"StringBuffer of shape {self.shape} needs {math.prod(self.shape) + 1} offsets, "
+                f"got {len(self.offsets)}"
+            )
+        if n and (self.offsets[0] != 0 or self.offsets[-1] > len(self.data)):
+            raise CorruptCacheError(
+                f"StringBuffer offsets run from {self.offsets[0]} to {self.offsets[-1]}, "
+                f"the buffer holds {len(self.data)} bytes"
+            )
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def lengths(self) -> IntArray:
+        """Return the length in bytes of every string (flat)."""
+        return np.diff(self.offsets)
+
+    def to_numpy(self) -> np.ndarray:
+        """Return the strings as a numpy object array of ``bytes`` of ``shape``."""
+        return split_strings(self.data, self.offsets).reshape(self.shape)
+
+
+def split_strings(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Return ``data[offsets[i]:offsets[i + 1]]`` for each ``i`` as a flat object array."""
+    n = len(offsets) - 1
+    out = np.empty(max(n, 0), dtype=object)
+    if n <= 0:
+        return out
+    if _gather is not None:
+        try:
+            out[:] = _gather.split_bytes(data, np.ascontiguousarray(offsets, dtype=np.int64))
+        except IndexError as err:
+            raise CorruptCacheError(f"string offsets out of bounds: {err}") from err
+        return out
+    raw = data.tobytes()  # pragma: no cover - the package builds the extension
+    bounds = offsets.tolist()  # pragma: no cover
+    out[:] = [raw[a:b] for a, b in itertools.pairwise(bounds)]  # pragma: no cover
+    return out  # pragma: no cover
 
 
 @dataclasses.dataclass(slots=True)
@@ -528,9 +591,8 @@ class ColumnBatch:
             return self.data[a:b].reshape(shape)
         if self.boffsets is None:  # pragma: no cover
             raise CorruptCacheError("string column batch lacks byte offsets")
-        raw = self.data.tobytes()
         bo = self.boffsets
-        strings = [raw[int(bo[j]) : int(bo[j + 1])] for j in range(a, b)]
+        strings = [self.data[int(bo[j]) : int(bo[j + 1])].tobytes() for j in range(a, b)]
         if not shape:
             return strings[0]
         out = np.empty(len(strings), dtype=object)
@@ -541,18 +603,24 @@ class ColumnBatch:
         """Return all strings of the batch as a flat object array."""
         if self.boffsets is None:
             raise UnsupportedElementError("not a string column")
-        raw = self.data.tobytes()
-        bo = self.boffsets.tolist()
-        out = np.empty(len(bo) - 1, dtype=object)
-        out[:] = [raw[a:b] for a, b in itertools.pairwise(bo)]
-        return out
+        return split_strings(self.data, self.boffsets)
 
-    def values(self) -> np.ndarray:
-        """Return the flat values (numbers, or strings as an object array)."""
-        return self.strings() if self.spec.layout == "bytes" else self.data.reshape(-1)
+    def values(self, strings: StringFormat = StringFormat.OBJECTS) -> Any:
+        """Return the flat values: numbers, or strings as ``strings`` says."""
+        if self.spec.layout != "bytes":
+            return self.data.reshape(-1)
+        if strings is StringFormat.BUFFERS:
+            if self.boffsets is None:  # pragma: no cover - bytes columns have them
+                raise UnsupportedElementError("not a string column")
+            return StringBuffer(self.data, self.boffsets, (len(self.boffsets) - 1,))
+        return self.strings()
 
-    def stacked(self, where: str) -> np.ndarray:
-        """Return the batch as one dense ``[B, *shape]`` array (shapes must agree)."""
+    def stacked(self, where: str, strings: StringFormat = StringFormat.OBJECTS) -> Any:
+        """Return the batch as one dense ``[B, *shape]`` array (shapes must agree).
+
+        Strings come as ``strings`` says (a ``StringBuffer`` of that shape for
+        ``BUFFERS``).
+        """
         if self.spec.layout == "fixed":
             return self.data
         if len(self) and np.any(self.shapes != self.shapes[:1]):
@@ -565,174 +633,18 @@ class ColumnBatch:
             if len(self)
             else tuple(d or 0 for d in self.spec.shape)
         )
-        return self.values().reshape(len(self), *shape)
+        return reshape_values(self.values(strings), (len(self), *shape))
 
 
-# Fixed-shape columns of many chunks are gathered with ONE fancy index: each
-# chunk's column is a C-contiguous ``[k, *shape]`` array somewhere in memory
-# (for LMDB, all inside one memory map), and a read-only byte view spanning
-# from the lowest to the highest of them reaches every row: row ``j`` starts at
-# ``address(chunk[j]) - lowest + local[j] * row_bytes``. Only those rows are
-# ever read; ``locate`` and each chunk's validated record count keep every row
-# inside its own chunk, and the caller keeps every spanned buffer alive.
-
-
-def _row_span(lowest: np.ndarray, end: int, row: int) -> np.ndarray:
-    """Return ``[end - address(lowest) - row + 1, row]`` byte rows starting at ``lowest``."""
-    flat = lowest.reshape(-1).view(np.uint8)
-    start = int(lowest.__array_interface__["data"][0])
-    return np.lib.stride_tricks.as_strided(
-        flat, shape=(end - start - row + 1, row), strides=(1, 1), writeable=False
-    )
-
-
-def _gather_fixed(
-    spec: ColumnSpec, views: Sequence[ChunkView], which: IntArray, local: IntArray, column: int
-) -> np.ndarray:
-    """Gather fixed-shape records of ``views`` with one fancy index (see above)."""
-    n = len(local)
-    dims = _dims(spec)
-    row = spec.np_dtype.itemsize * math.prod(dims)
-    if n == 0 or row == 0:
-        return np.empty((n, *dims), spec.np_dtype)
-    cols = [v.columns[column] for v in views]
-    if len(cols) == 1:
-        return np.ascontiguousarray(cols[0].data[local])
-    addresses = np.array([c.address for c in cols], dtype=np.int64)
-    low = int(addresses.argmin())
-    rows = _row_span(cols[low].data, max(c.address + c.data.nbytes for c in cols), row)
-    starts = (addresses - cols[low].address)[which] + local * row
-    out: np.ndarray = rows[starts].view(spec.np_dtype).reshape(n, *dims)
-    return out
-
-
-class BufferPool:
-    """Aligned byte buffers for gathered batches, reused once nobody else holds them.
-
-    ``take`` returns a ``ALIGN``-aligned array; its memory is handed out again
-    only when the pool's own reference is the last one left: a batch the
-    caller keeps, or a tensor TensorFlow made from it without copying (it
-    does so for aligned arrays and keeps the array alive), is never
-    overwritten. Reusing memory spares the page faults of fresh allocations;
-    the pool never holds more buffers than were alive at once, at most
-    ``max_buffers``.
-    """
-
-    def __init__(self, max_buffers: int = 8) -> None:
-        self._buffers: list[np.ndarray] = []
-        self._max = max_buffers
-        self._lock = threading.Lock()
-        probe = [np.empty(ALIGN, np.uint8)]
-        self._idle = self._refs(probe, 0)  # count of a buffer only the pool holds
-
-    @staticmethod
-    def _refs(buffers: list[np.ndarray], i: int) -> int:
-        return sys.getrefcount(buffers[i])
-
-    @staticmethod
-    def _aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
-        start = -int(raw.__array_interface__["data"][0]) % ALIGN
-        return raw[start : start + nbytes]
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """Return a writable, aligned ``uint8`` array of ``nbytes`` (contents undefined)."""
-        size = nbytes + ALIGN
-        with self._lock:
-            spare = -1
-            for i in range(len(self._buffers)):
-                if self._refs(self._buffers, i) != self._idle:
-                    continue
-                if self._buffers[i].size == size:
-                    return self._aligned(self._buffers[i], nbytes)
-                spare = i
-            raw = np.empty(size, np.uint8)
-            if spare >= 0:  # an idle buffer of another size makes room
-                self._buffers[spare] = raw
-            elif len(self._buffers) < self._max:
-                self._buffers.append(raw)
-            return self._aligned(raw, nbytes)
-
-    def clear(self) -> None:
-        """Drop the pool's references (buffers still in use live on with their users)."""
-        with self._lock:
-            self._buffers.clear()
-
-
-class FixedRows:
-    """One fixed-shape column across the chunks a source holds, gathered in one call.
-
-    ``add`` each chunk's view once before gathering its records; the object
-    keeps the spanned arrays alive. Safe to gather from several threads while
-    another adds chunks: a gather uses one consistent (span, lowest) snapshot.
-    With the compiled ``_gather`` module, rows are copied straight into
-    aligned buffers from ``pool``; otherwise one numpy fancy index does it.
-
-    Args:
-        spec: the column (``fixed`` layout).
-        num_chunks: chunks in the dataset.
-        pool: where output buffers come from (default: a pool of its own).
-    """
-
-    def __init__(self, spec: ColumnSpec, num_chunks: int, pool: BufferPool | None = None) -> None:
-        if spec.layout != "fixed":
-            raise UnsupportedElementError(f"FixedRows needs a fixed column, got {spec.layout}")
-        self.spec = spec
-        self._dims = _dims(spec)
-        self._dtype = spec.np_dtype
-        self._row = self._dtype.itemsize * math.prod(self._dims)
-        self._known = np.array(spec.shape, dtype=np.int64)
-        self._shapes = np.broadcast_to(self._known, (0, spec.ndim))  # last batch's, reused
-        self._addresses = np.zeros(num_chunks, dtype=np.int64)
-        self._arrays: list[np.ndarray] = []
-        self._lowest: np.ndarray | None = None
-        self._end = 0
-        # (byte rows, their address, the same bytes as one flat array)
-        self._span: tuple[np.ndarray, int, np.ndarray] | None = None
-        self._pool = pool if pool is not None else BufferPool()
-        self._lock = threading.Lock()
-
-    def add(self, chunk: int, view: ChunkView, column: int) -> None:
-        """Make chunk ``chunk``'s records of this column gatherable."""
-        col = view.columns[column]
-        with self._lock:
-            self._addresses[chunk] = col.address
-            if col.data.nbytes == 0 or self._row == 0:
-                return
-            self._arrays.append(col.data)
-            end = col.address + col.data.nbytes
-            lowest = self._span[1] if self._span is not None else None
-            if lowest is not None and col.address >= lowest and end <= self._end:
-                return
-            if self._lowest is None or lowest is None or col.address < lowest:
-                self._lowest = col.data
-            self._end = max(self._end, end)
-            rows = _row_span(self._lowest, self._end, self._row)
-            start = int(self._lowest.__array_interface__["data"][0])
-            flat = np.lib.stride_tricks.as_strided(
-                rows, shape=(self._end - start,), strides=(1,), writeable=False
-            )
-            self._span = (rows, start, flat)
-
-    def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
-        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
-        n = len(local)
-        shapes = self._shapes
-        if len(shapes) != n:
-            shapes = self._shapes = np.broadcast_to(self._known, (n, self.spec.ndim))
-        span = self._span
-        if n == 0 or span is None:
-            return ColumnBatch(self.spec, np.empty((n, *self._dims), self._dtype), shapes)
-        rows, lowest, flat = span
-        addresses = self._addresses[chunks]
-        if not addresses.all():
-            raise RuntimeError("FixedRows.gather: a chunk of the batch was never added")
-        starts = addresses - lowest + local * self._row
-        if _gather is None:  # pragma: no cover - exercised when the extension is absent
-            data = rows[starts]
-        else:
-            data = self._pool.take(n * self._row)
-            _gather.gather_rows(data, flat, starts, self._row)
-        return ColumnBatch(self.spec, data.view(self._dtype).reshape(n, *self._dims), shapes)
+def reshape_values(values: Any, shape: tuple[int, ...]) -> Any:
+    """Reshape flat values (an array or a ``StringBuffer``); one dimension may be -1."""
+    if not isinstance(values, StringBuffer):
+        return values.reshape(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        missing = (len(values.offsets) - 1) // known if known else 0
+        shape = tuple(missing if d == -1 else d for d in shape)
+    return StringBuffer(values.data, values.offsets, shape)
 
 
 def gather(
@@ -740,45 +652,9 @@ def gather(
 ) -> ColumnBatch:
     """Gather records ``local[j]`` of chunk ``views[which[j]]`` for one column.
 
-    Fixed-shape columns: one fancy index over all chunks touched. Others: one
-    fancy-index gather per chunk touched. No per-record Python work.
+    One compiled, bounds-checked copy per column (see ``yogastore.rows``); no
+    per-record Python work.
     """
-    n = len(local)
-    if spec.layout == "fixed":
-        shapes = np.broadcast_to(np.array(spec.shape, dtype=np.int64), (n, spec.ndim))
-        return ColumnBatch(spec, _gather_fixed(spec, views, which, local, column), shapes)
-    groups = [(c, np.nonzero(which == c)[0]) for c in np.unique(which)] if n else []
-    cols = [views[int(c)].columns[column] for c, _ in groups]
-    shapes = np.empty((n, spec.ndim), dtype=np.int64)
-    counts = np.empty(n, dtype=np.int64)
-    for col, (_c, sel) in zip(cols, groups, strict=True):
-        idx = local[sel]
-        shapes[sel] = col.record_shapes(idx)
-        assert col.offsets is not None
-        counts[sel] = col.offsets[idx + 1] - col.offsets[idx]
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    if spec.layout == "var":
-        data = np.empty(int(offsets[-1]), dtype=spec.np_dtype)
-        for col, (_c, sel) in zip(cols, groups, strict=True):
-            assert col.offsets is not None
-            idx = local[sel]
-            src = _segments(col.offsets[idx], counts[sel])
-            data[_segments(offsets[sel], counts[sel])] = col.data[src]
-        return ColumnBatch(spec, data, shapes, offsets)
-    # Strings: first the per-string lengths in batch order, then the bytes.
-    num_strings = int(offsets[-1])
-    lens = np.empty(num_strings, dtype=np.int64)
-    plans = []
-    for col, (_c, sel) in zip(cols, groups, strict=True):
-        assert col.offsets is not None and col.boffsets is not None
-        src_ids = _segments(col.offsets[local[sel]], counts[sel])
-        dst_ids = _segments(offsets[sel], counts[sel])
-        lens[dst_ids] = col.boffsets[src_ids + 1] - col.boffsets[src_ids]
-        plans.append((col, src_ids, dst_ids))
-    boffsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    data = np.empty(int(boffsets[-1]), dtype=np.uint8)
-    for col, src_ids, dst_ids in plans:
-        assert col.boffsets is not None
-        src = _segments(col.boffsets[src_ids], lens[dst_ids])
-        data[_segments(boffsets[dst_ids], lens[dst_ids])] = col.data[src]
-    return ColumnBatch(spec, data, shapes, offsets, boffsets)
+    from yogastore import rows  # rows builds on this module's views
+
+    return rows.gather_views(spec, views, which, local, column)

@@ -3,7 +3,8 @@
 A ``ChunkSource`` turns an array of record indices into one ``ColumnBatch``
 per column. The local source maps whole chunks zero-copy (LMDB memory map),
 verifies each chunk's checksum the first time this process touches it and then
-gathers with one numpy fancy index per column and chunk.
+gathers each column across all chunks with one compiled copy
+(``yogastore.rows``): rows for fixed shapes, byte ranges for the others.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import numpy.typing as npt
 
 from storage_backends import Backend
 from storage_backends.errors import CorruptCacheError, KeyNotFoundError
-from yogastore.format import ChunkView, ColumnBatch, FixedRows, gather
+from yogastore.format import ChunkView, ColumnBatch
 from yogastore.manifest import Manifest, checksum
+from yogastore.rows import FixedRows, VarRows
 
 __all__ = ["ChunkSource", "LocalChunkSource", "ReadStats", "locate", "uniform_chunk_size"]
 
@@ -118,12 +120,11 @@ class LocalChunkSource:
         self._uniform = uniform_chunk_size(manifest)
         self._views: dict[int, ChunkView] = {}
         self._lock = threading.Lock()
-        # Fixed-shape columns gather across chunks with one fancy index each.
+        # Every column gathers across chunks with one compiled copy.
         num_chunks = len(manifest.chunks)
-        self._fixed = {
-            i: FixedRows(spec, num_chunks)
+        self._rows: dict[int, FixedRows | VarRows] = {
+            i: FixedRows(spec, num_chunks) if spec.layout == "fixed" else VarRows(spec, num_chunks)
             for i, spec in enumerate(self._columns)
-            if spec.layout == "fixed"
         }
         self._loaded = np.zeros(num_chunks, dtype=bool)
         self._all_loaded = num_chunks == 0
@@ -145,7 +146,7 @@ class LocalChunkSource:
             known = self._views.get(chunk)
             if known is not None:  # another thread was first
                 return known
-            for i, rows in self._fixed.items():
+            for i, rows in self._rows.items():
                 rows.add(chunk, view, i)
             self._views[chunk] = view
             self._loaded[chunk] = True
@@ -160,19 +161,7 @@ class LocalChunkSource:
         if not self._all_loaded:
             for c in np.unique(which[~self._loaded[which]]):
                 self.view(int(c))
-        views: list[ChunkView] | None = None
-        inverse = which
-        out = []
-        for i, spec in enumerate(self._columns):
-            rows = self._fixed.get(i)
-            if rows is not None:
-                out.append(rows.gather(which, local))
-                continue
-            if views is None:
-                chunks, inverse = np.unique(which, return_inverse=True)
-                views = [self.view(int(c)) for c in chunks]
-                inverse = inverse.astype(np.int64).reshape(-1)
-            out.append(gather(spec, views, inverse, local, i))
+        out = [self._rows[i].gather(which, local) for i in range(len(self._columns))]
         with self._lock:
             self.stats.records += len(records)
             self.stats.batches += 1

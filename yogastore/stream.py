@@ -22,7 +22,8 @@ import numpy.typing as npt
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
-from yogastore.assemble import batch_components, element_components
+from yogastore.assemble import batch_components, batch_length, element_components, slice_batch
+from yogastore.format import StringFormat
 from yogastore.order import (
     BlockShuffleOrder,
     EpochOrder,
@@ -35,13 +36,13 @@ from yogastore.order import (
     slice_intervals,
     split_intervals,
 )
-from yogastore.spec import row_bytes
+from yogastore.spec import STRING, Kind, Schema, row_bytes
 
 if TYPE_CHECKING:
     from yogastore.reader import ChunkSource
     from yogastore.store import DatasetRef
 
-__all__ = ["Stream", "StreamState"]
+__all__ = ["Stream", "StreamState", "fixed_numeric", "splittable"]
 
 IntArray = npt.NDArray[np.int64]
 # Version 2: the shuffled order is the unbalanced Feistel network of order.py;
@@ -141,6 +142,26 @@ class StreamState:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise InvalidArgumentError(f"invalid stream state {text!r:.200}: {err}") from err
+
+
+def fixed_numeric(schema: Schema) -> bool:
+    """Whether every component is a fixed-shape tensor of numbers (no strings).
+
+    Such batches are plain arrays that can be grouped and sliced; strings
+    take the path that hands them over as buffers.
+    """
+    return bool(schema.components) and all(c.fixed and c.dtype != STRING for c in schema.components)
+
+
+def splittable(schema: Schema) -> bool:
+    """Whether batches of ``schema`` split into smaller batches by slicing.
+
+    True when every component is a fixed-shape tensor (strings too) or a ragged
+    component whose records have ragged rank 0 (a batch then has one row splits array).
+    """
+    return bool(schema.components) and all(
+        c.fixed or (c.kind is Kind.RAGGED and c.ragged_rank == 0) for c in schema.components
+    )
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -318,32 +339,48 @@ class Stream:
     def group_factor(self, batch_size: int, target_bytes: int, most: int) -> int:
         """Return how many batches to gather at once: about ``target_bytes``, at most ``most``.
 
-        Only for schemas whose components all have a fixed shape (1 otherwise),
+        Only for schemas whose components all have a fixed shape and are not
+        strings (1 otherwise),
         and only when ``column_batches`` is this class's own: a subclass may
         give batches of ``batch_size`` a meaning of their own (steps, padding).
         """
         schema = self.ref.schema
-        if not schema.components or not all(c.fixed for c in schema.components):
+        if not fixed_numeric(schema):
             return 1
         if type(self).column_batches is not Stream.column_batches:
             return 1
         size = max(1, batch_size * row_bytes(schema))
         return max(1, min(most, round(target_bytes / size)))
 
-    def batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
+    def batches(
+        self,
+        batch_size: int,
+        drop_remainder: bool = False,
+        *,
+        strings: StringFormat = StringFormat.OBJECTS,
+    ) -> Iterator[Any]:
         """Yield numpy batches of ``batch_size`` records (the fast path).
 
         Fixed-shape components are stacked arrays ``[B, ...]``; ragged and
         sparse components are ``RaggedValue``/``SparseValue`` with a leading
         batch dimension, as ``tf.data.Dataset.batch`` would make them.
+        Strings are numpy object arrays of ``bytes``, or with
+        ``strings=StringFormat.BUFFERS`` a ``StringBuffer`` each: all bytes in
+        one array plus offsets, without a Python object per string.
         From local stores, small fixed-shape batches are gathered several at a
         time (about ``_GATHER_BYTES``) and handed out as views, which spreads
         the fixed cost of a gather over many batches.
         """
         batch_size = _check_int("batch_size", batch_size, 1)
+        if not isinstance(strings, StringFormat):
+            raise InvalidArgumentError(f"strings must be a StringFormat, got {strings!r}")
         schema = self.ref.schema
         where = self.ref.manifest.where
         k = self.group_factor(batch_size, _GATHER_BYTES, _MAX_GATHER_GROUP)
+        if k == 1 and splittable(schema) and type(self).column_batches is Stream.column_batches:
+            # Strings and ragged rows: gather about _GATHER_BYTES at once and slice.
+            per_record = self.ref.manifest.nbytes / max(1, self.num_records)
+            k = max(1, min(_MAX_GATHER_GROUP, round(_GATHER_BYTES / (per_record * batch_size))))
         if getattr(self.source, "plan", None) is not None:
             k = 1  # remote reads plan and cache per batch; they read ahead already
         # References to a batch are dropped before the next gather, so a
@@ -351,20 +388,20 @@ class Stream:
         # pooled buffer back every time.
         if k == 1:
             for _records, cols in self.column_batches(batch_size, drop_remainder):
-                batch = schema.pack(batch_components(schema, cols, where))
+                batch = schema.pack(batch_components(schema, cols, where, strings))
                 del cols
                 yield batch
                 del batch
             return
         for _records, cols in self.column_batches(batch_size * k):
-            arrays = batch_components(schema, cols, where)
+            arrays = batch_components(schema, cols, where, strings)
             del cols
-            n = len(arrays[0])
+            n = batch_length(schema, arrays)
             for start in range(0, n, batch_size):
                 stop = min(start + batch_size, n)
                 if drop_remainder and stop - start < batch_size:
                     return  # only the stream's last batch can be short
-                batch = schema.pack([a[start:stop] for a in arrays])
+                batch = schema.pack(slice_batch(schema, arrays, start, stop))
                 yield batch
                 del batch
             del arrays

@@ -6,13 +6,13 @@
   every component has a fixed shape.
 * ``to_tf_dataset``: a stream as a ``tf.data.Dataset``; one Python call per
   batch hands flat numpy arrays to TensorFlow and a graph-mode ``map``
-  rebuilds ragged and sparse components.
+  rebuilds ragged and sparse components from values and row splits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -30,9 +30,7 @@ from yogastore.spec import (
     leaf_paths,
     row_bytes,
 )
-
-if TYPE_CHECKING:
-    from yogastore.stream import Stream
+from yogastore.stream import Stream, fixed_numeric, splittable
 
 __all__ = [
     "dataset_items",
@@ -171,6 +169,9 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         for batch in batched.as_numpy_iterator():
             yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
         return
+    if splittable(schema):
+        yield from _records_of_batches(ds, schema)
+        return
     for element in numpy_records(ds.prefetch(64)):
         values: list[Any] = []
         for comp, leaf, path in zip(
@@ -178,6 +179,35 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         ):
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
+
+
+def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
+    """Yield the records of ``ds``, batched by tf.data and split with numpy slices.
+
+    For fixed-shape tensors (strings too) and rank-0 ragged components: tf.data's
+    per-element Python cost is then paid once per batch, not per record.
+    """
+    for batch in ds.batch(_FIRST_PASS_BATCH).prefetch(2):
+        leaves = schema.flatten(_plain(batch))
+        n = 0
+        getters: list[Any] = []
+        for comp, leaf in zip(schema.components, leaves, strict=True):
+            if comp.kind is Kind.TENSOR:
+                arr = np.asarray(leaf)
+                n = len(arr)
+                getters.append(arr)
+            else:
+                splits = np.asarray(leaf.nested_row_splits[0], dtype=np.int64)
+                n = len(splits) - 1
+                getters.append((np.asarray(leaf.flat_values), splits))
+        for i in range(n):
+            yield (
+                "record",
+                [
+                    g[i] if isinstance(g, np.ndarray) else g[0][g[1][i] : g[1][i + 1]]
+                    for g in getters
+                ],
+            )
 
 
 def _plain(element: Any) -> Any:
@@ -248,26 +278,37 @@ def to_tf_dataset(
     schema = stream.ref.schema
     where = stream.ref.manifest.where
     unbatch = batch_size is None
-    if schema.components and all(c.fixed for c in schema.components):
+    if fixed_numeric(schema):
         return _fixed_dataset(stream, schema, batch_size, drop_remainder)
     if unbatch and not any(c.kind is Kind.RAGGED and c.ragged_rank == 0 for c in schema.components):
         # (A ragged_rank-0 component comes out of unbatching a batch, as in
         # the source; per element it would be a dense TensorSpec.)
         return _per_element_dataset(stream, schema)
+    if splittable(schema):
+        assert batch_size is not None
+        return _grouped_dataset(stream, schema, batch_size, drop_remainder)
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     static = size if (drop_remainder and not unbatch) else None
     specs = tuple(s for c in schema.components for s in _wire_specs(c, static, True))
 
     def generate() -> Iterator[tuple[Any, ...]]:
+        # Strings cross as object arrays of bytes made in C (yogastore._gather.split_bytes):
+        # measured faster than one byte string per batch cut by tf.strings.substr, whose
+        # conversion into a tensor costs more than the per-string objects.
         for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
             comps = batch_components(schema, cols, where)
+            del cols
             yield tuple(
                 w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
             )
+            del comps
+
+    def rebuild(*w: Any) -> Any:
+        return _rebuild(schema, w, static, True)
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
     ds = ds.map(
-        lambda *w: _rebuild(schema, w, static, True),
+        tf.autograph.experimental.do_not_convert(rebuild),  # plain graph code, nothing to convert
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True,
     )
@@ -321,6 +362,84 @@ def _fixed_dataset(
     if not whole or unbatch:
         ds = ds.unbatch()
     return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
+
+
+def _grouped_dataset(
+    stream: Stream, schema: Schema, batch_size: int, drop_remainder: bool
+) -> tf.data.Dataset:
+    """Strings and rank-0 ragged components: several batches per Python call, like fixed ones.
+
+    The generator hands over ``k`` consecutive batches as ``[k, batch, ...]`` tensors (ragged
+    components as flat values + row splits of ``k * batch`` rows, regrouped in the graph with
+    a uniform row length) and ``unbatch`` splits them in C++: the per-call cost of
+    ``from_generator`` is paid once per about ``_GROUP_BYTES``.
+    """
+    where = stream.ref.manifest.where
+    size = batch_size
+    per_record = stream.ref.manifest.nbytes / max(1, stream.ref.num_records)
+    k = max(1, min(_MAX_GROUP, round(_GROUP_BYTES / max(1.0, per_record * size))))
+    if type(stream).column_batches is not Stream.column_batches:
+        k = 1  # a subclass may give batches a meaning of their own (steps, padding)
+    static = size if drop_remainder else None
+    comps = schema.components
+    specs: list[tf.TensorSpec] = [tf.TensorSpec([], tf.int64)]  # rows per batch
+    for c in comps:
+        dtype = _tf_dtype(c.dtype)
+        if c.kind is Kind.TENSOR:
+            specs.append(tf.TensorSpec([None, None, *c.shape], dtype))
+        else:
+            splits = tf.as_dtype(c.row_splits_dtype)
+            specs += [tf.TensorSpec([None, *c.shape[1:]], dtype), tf.TensorSpec([None], splits)]
+
+    def wire(arrays: list[Any], start: int, stop: int, rows: int) -> tuple[Any, ...]:
+        out: list[Any] = [np.int64(rows)]
+        for c, a in zip(comps, arrays, strict=True):
+            if c.kind is Kind.TENSOR:
+                part = a[start:stop]
+                out.append(part.reshape(len(part) // rows, rows, *part.shape[1:]))
+            else:
+                sp = a.nested_row_splits[0]
+                out += [a.flat_values[sp[start] : sp[stop]], sp[start : stop + 1] - sp[start]]
+        return tuple(out)
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        for _records, cols in stream.column_batches(size * k):
+            arrays = batch_components(schema, cols, where)
+            del cols
+            n = (
+                len(arrays[0])
+                if comps[0].kind is Kind.TENSOR
+                else len(arrays[0].nested_row_splits[0]) - 1
+            )
+            full = n // size * size
+            if full:
+                yield wire(arrays, 0, full, size)
+            if full < n and not drop_remainder:
+                yield wire(arrays, full, n, n - full)
+            del arrays
+
+    def regroup(rows: Any, *w: Any) -> Any:
+        out: list[Any] = []
+        i = 0
+        for c in comps:
+            if c.kind is Kind.TENSOR:
+                t = w[i]
+                t.set_shape([None, static, *c.shape])
+                out.append(t)
+                i += 1
+                continue
+            flat = tf.RaggedTensor.from_row_splits(w[i], w[i + 1], validate=False)
+            rt = tf.RaggedTensor.from_uniform_row_length(
+                flat, tf.cast(rows, flat.row_splits.dtype), validate=False
+            )
+            rt._set_shape([None, static, *c.shape])  # restores the static dims tf.data expects
+            out.append(rt)
+            i += 2
+        return schema.pack(out)
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=tuple(specs))
+    ds = ds.map(tf.autograph.experimental.do_not_convert(regroup)).unbatch()
+    return _finish(ds, row_bytes(schema) * size)
 
 
 def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:

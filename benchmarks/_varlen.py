@@ -1,0 +1,480 @@
+"""Variable-length cases: ``images`` (random bytes 2-24 KiB + label), ``text`` (strings of
+50-500 B + ragged int32 token ids + label) and ``jpeg`` (real JPEGs, read and decoded).
+
+Rows of one case, side by side on the same records:
+
+(a)  ``TFRecordDataset`` sequential, batched, ``parse_example``;
+(e3) ``TFRecordDataset.shard(4, 0).shuffle(10000)``, batched, parsed (what users do today);
+(b)  ``stream(shuffle, 4 shards).to_tf_dataset(256)``;
+(c)  ``Stream.batches(256, strings=StringFormat.BUFFERS)`` (bytes + offsets);
+(c2) ``Stream.batches(256)`` (numpy object arrays of ``bytes``);
+(d)  the same index batches gathered from the records held in memory as values + offsets,
+     with the same compiled range copy (the ceiling of any copying reader);
+(p)  Grain ``MapDataset`` over an ArrayRecord file: shuffled, rank 0 of 4, batched;
+(h1)/(h2) (``jpeg`` only) (b)/(e3) followed by ``tf.io.decode_jpeg`` + resize to 64x64;
+(k1)/(k2) (``images``) (a)/(b) while another process keeps one core busy
+(the last three in ``benchmarks/_peers.py``);
+(g)/(g2)/(g3) cache build from the TFRecord file / from in-memory tensors against
+     iterating the same source, and writing + syncing the same bytes to a plain file.
+
+Every row's untimed pass checks each record's bytes against the source; each timed run
+checks its record count and label sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks._common import (
+    Case,
+    Tally,
+    consume,
+    index_batches,
+    plan_passes,
+    repeat_runs,
+    steady,
+    stream_indices,
+    tf_labels,
+)
+
+DATASET = "bench"
+SHUFFLE_BUFFER = 10000
+
+
+@dataclasses.dataclass
+class Records:
+    """The case's records in memory: bytes ``x`` (values + offsets), tokens, labels."""
+
+    x: np.ndarray
+    x_off: np.ndarray
+    labels: np.ndarray
+    tok: np.ndarray | None = None
+    tok_off: np.ndarray | None = None
+
+    def x_at(self, i: int) -> bytes:
+        return self.x[self.x_off[i] : self.x_off[i + 1]].tobytes()
+
+    def tok_at(self, i: int) -> np.ndarray:
+        assert self.tok is not None and self.tok_off is not None
+        return self.tok[self.tok_off[i] : self.tok_off[i + 1]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(
+            self.x.nbytes + self.labels.nbytes + (0 if self.tok is None else self.tok.nbytes)
+        )
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def make_records(case: Case) -> Records:
+    """Return the records of a variable-length case (reproducible)."""
+    rng = np.random.default_rng(case.seed + 1)
+    n = case.records
+    labels = np.arange(n, dtype=np.int64)
+    if case.kind == "images":
+        lengths = rng.integers(2 << 10, (24 << 10) + 1, size=n)
+        x = np.frombuffer(rng.bytes(int(lengths.sum())), np.uint8)
+        return Records(x, _offsets(lengths), labels)
+    if case.kind == "text":
+        lengths = rng.integers(50, 501, size=n)
+        x = rng.integers(32, 127, size=int(lengths.sum()), dtype=np.uint8)
+        counts = lengths // 5  # a token every five characters
+        tok = rng.integers(0, 50_000, size=int(counts.sum()), dtype=np.int32)
+        return Records(x, _offsets(lengths), labels, tok, _offsets(counts))
+    if case.kind == "jpeg":
+        return _jpegs(case, rng)
+    raise ValueError(f"not a variable-length case: {case.kind}")
+
+
+def _jpegs(case: Case, rng: np.random.Generator) -> Records:
+    import tensorflow as tf
+
+    images = []
+    for _ in range(case.records):
+        h, w = (int(v) for v in rng.integers(64, 129, size=2))
+        # Smooth gradients plus noise: compresses like a photo, not like pure noise.
+        base = np.linspace(0, 255, h * w * 3).reshape(h, w, 3)
+        noise = rng.integers(0, 64, size=(h, w, 3))
+        image = ((base + noise) % 256).astype(np.uint8)
+        images.append(tf.io.encode_jpeg(image, quality=90).numpy())
+    lengths = np.array([len(b) for b in images], np.int64)
+    x = np.frombuffer(b"".join(images), np.uint8)
+    return Records(x, _offsets(lengths), np.arange(case.records, dtype=np.int64))
+
+
+# Checks -------------------------------------------------------------------------------
+
+
+class Checker:
+    """Checks every record of an untimed pass against the source, byte for byte."""
+
+    def __init__(self, recs: Records) -> None:
+        self.recs = recs
+        self.labels: list[np.ndarray] = []
+        self.wrong = 0
+        self.byte_sum = 0
+
+    def add(self, labels: Any, xs: Iterable[bytes], toks: Iterable[Any] | None = None) -> None:
+        y = np.asarray(labels, dtype=np.int64).reshape(-1)
+        self.labels.append(y)
+        tok_list = list(toks) if toks is not None else [None] * len(y)
+        for i, x, t in zip(y.tolist(), xs, tok_list, strict=True):
+            self.byte_sum += len(x)
+            ok = 0 <= i < len(self.recs.labels) and x == self.recs.x_at(i)
+            if ok and t is not None:
+                ok = np.array_equal(np.asarray(t), self.recs.tok_at(i))
+            self.wrong += int(not ok)
+
+    def result(self, expected: np.ndarray) -> dict[str, Any]:
+        got = np.sort(np.concatenate(self.labels)) if self.labels else np.empty(0, np.int64)
+        want = np.sort(np.asarray(expected, dtype=np.int64))
+        lengths = np.diff(self.recs.x_off)
+        expected_sum = int(lengths[want].sum()) if want.size else 0
+        ok = bool(np.array_equal(got, want)) and self.wrong == 0
+        return {
+            "records": int(got.size),
+            "expected_records": int(want.size),
+            "labels_match": bool(np.array_equal(got, want)),
+            "wrong_records": self.wrong,
+            "byte_sum": self.byte_sum,
+            "expected_byte_sum": expected_sum,
+            "ok": ok and self.byte_sum == expected_sum,
+        }
+
+
+def check_tf(batches: Iterable[Any], checker: Checker, text: bool) -> None:
+    for batch in batches:
+        toks = batch["tokens"].to_list() if text else None
+        checker.add(batch["y"].numpy(), batch["x"].numpy().tolist(), toks)
+
+
+# TFRecord ------------------------------------------------------------------------------
+
+
+def write_tfrecord(path: Path, recs: Records) -> None:
+    import tensorflow as tf
+
+    feature, train = tf.train.Feature, tf.train
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for i in range(len(recs.labels)):
+            fields = {
+                "x": feature(bytes_list=train.BytesList(value=[recs.x_at(i)])),
+                "y": feature(int64_list=train.Int64List(value=[i])),
+            }
+            if recs.tok is not None:
+                fields["tokens"] = feature(int64_list=train.Int64List(value=recs.tok_at(i)))
+            example = train.Example(features=train.Features(feature=fields))
+            writer.write(example.SerializeToString())
+
+
+def _parse_batch(text: bool) -> Callable[[Any], dict[str, Any]]:
+    import tensorflow as tf
+
+    spec: dict[str, Any] = {
+        "x": tf.io.FixedLenFeature([], tf.string),
+        "y": tf.io.FixedLenFeature([], tf.int64),
+    }
+    if text:
+        spec["tokens"] = tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64)
+
+    def parse(serialized: Any) -> dict[str, Any]:
+        parsed = tf.io.parse_example(serialized, spec)
+        if text:
+            parsed["tokens"] = tf.cast(parsed["tokens"], tf.int32)
+        return parsed
+
+    return parse
+
+
+def tfrecord_batches(path: Path, case: Case, passes: int, shard_shuffle: bool = False) -> Any:
+    """(a) sequential, or (e3) ``shard(4, rank).shuffle(10000)``; batched, then parsed."""
+    import tensorflow as tf
+
+    ds = tf.data.TFRecordDataset(str(path), buffer_size=4 << 20)
+    if shard_shuffle:
+        ds = ds.shard(case.num_shards, case.shard_rank).shuffle(SHUFFLE_BUFFER, seed=case.seed)
+    ds = ds.repeat(passes).batch(case.batch_size)
+    ds = ds.map(_parse_batch(case.kind == "text"), num_parallel_calls=tf.data.AUTOTUNE)
+    return steady(ds.prefetch(tf.data.AUTOTUNE))
+
+
+def tfrecord_source(path: Path, case: Case) -> Any:
+    """The source every cache is built from: one parsed element per record."""
+    import tensorflow as tf
+
+    ds = tf.data.TFRecordDataset(str(path)).batch(512)
+    ds = ds.map(_parse_batch(case.kind == "text"), num_parallel_calls=tf.data.AUTOTUNE)
+    return steady(ds.unbatch())
+
+
+def memory_source(recs: Records) -> Any:
+    """The same records as in-memory tensors (``from_tensor_slices``)."""
+    import tensorflow as tf
+
+    xs = tf.constant([recs.x_at(i) for i in range(len(recs.labels))], tf.string)
+    elements: dict[str, Any] = {"x": xs, "y": recs.labels}
+    if recs.tok is not None:
+        elements["tokens"] = tf.RaggedTensor.from_row_splits(recs.tok, recs.tok_off)
+    return steady(tf.data.Dataset.from_tensor_slices(elements))
+
+
+# Rows ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class VarContext:
+    case: Case
+    work: Path
+    recs: Records
+    tfrecord: Path
+    store: Any
+    ref: Any
+
+
+def _row(key: str, name: str, case: Case, **fields: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {"key": key, "name": name, "error": None, "note": ""}
+    row.update(fields)
+    if row.get("rate") is not None:
+        row["mb_per_s"] = row["rate"] * case.payload_bytes / 1e6
+    return row
+
+
+def _stream(ctx: VarContext, epochs: int) -> Any:
+    case = ctx.case
+    return ctx.ref.stream(
+        shard_rank=case.shard_rank,
+        num_shards=case.num_shards,
+        shuffle=True,
+        seed=case.seed,
+        num_epochs=epochs,
+    )
+
+
+def _timed_tf_row(
+    ctx: VarContext,
+    key: str,
+    name: str,
+    make: Callable[[int], Any],
+    per_pass: np.ndarray,
+    expected: Callable[[int], np.ndarray],
+    **extra: Any,
+) -> dict[str, Any]:
+    case = ctx.case
+    checker = Checker(ctx.recs)
+    check_tf(make(1), checker, case.kind == "text")
+    passes = plan_passes(case, len(per_pass), lambda p: consume(make(p), tf_labels))
+    ds = make(passes)
+    runs = repeat_runs(lambda: consume(ds, tf_labels), case.repeats, expected(passes))
+    return _row(key, name, case, **runs, passes=passes, verified=checker.result(per_pass), **extra)
+
+
+def tfrecord_rows(ctx: VarContext, prefix: str = "") -> list[dict[str, Any]]:
+    case = ctx.case
+    labels = ctx.recs.labels
+    shard = labels[case.shard_rank :: case.num_shards]
+    return [
+        _timed_tf_row(
+            ctx,
+            f"{prefix}a",
+            "TFRecordDataset sequential, batched, parse_example",
+            lambda p: tfrecord_batches(ctx.tfrecord, case, p),
+            labels,
+            lambda p: np.tile(labels, p),
+        ),
+        _timed_tf_row(
+            ctx,
+            f"{prefix}e3",
+            f"TFRecordDataset.shard({case.num_shards}, {case.shard_rank})"
+            f".shuffle({SHUFFLE_BUFFER}), batched, parsed",
+            lambda p: tfrecord_batches(ctx.tfrecord, case, p, shard_shuffle=True),
+            shard,
+            lambda p: np.tile(shard, p),
+        ),
+    ]
+
+
+def stream_tf_row(ctx: VarContext, key: str = "b") -> dict[str, Any]:
+    case = ctx.case
+    return _timed_tf_row(
+        ctx,
+        key,
+        f"stream(shuffle, {case.num_shards} shards).to_tf_dataset({case.batch_size})",
+        lambda p: _stream(ctx, p).to_tf_dataset(batch_size=case.batch_size),
+        stream_indices(ctx.ref, case, 1),
+        lambda p: stream_indices(ctx.ref, case, p),
+    )
+
+
+def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:
+    import yogastore
+
+    case = ctx.case
+    text = case.kind == "text"
+    rows = []
+    for key, fmt in (("c", yogastore.StringFormat.BUFFERS), ("c2", yogastore.StringFormat.OBJECTS)):
+        checker = Checker(ctx.recs)
+        for batch in _stream(ctx, 1).batches(case.batch_size, strings=fmt):
+            x = batch["x"]
+            xs = x.to_numpy().tolist() if fmt is yogastore.StringFormat.BUFFERS else x.tolist()
+            toks = batch["tokens"].to_list() if text else None
+            checker.add(batch["y"], xs, toks)
+
+        def run(p: int, fmt: Any = fmt) -> Tally:
+            return consume(_stream(ctx, p).batches(case.batch_size, strings=fmt), lambda b: b["y"])
+
+        passes = plan_passes(case, case.rank_span(), run)
+        runs = repeat_runs(
+            lambda passes=passes, run=run: run(passes),
+            case.repeats,
+            stream_indices(ctx.ref, case, passes),
+        )
+        rows.append(
+            _row(
+                key,
+                f"stream(shuffle, {case.num_shards} shards).batches({case.batch_size}, "
+                f"strings={fmt.name})",
+                case,
+                **runs,
+                passes=passes,
+                verified=checker.result(stream_indices(ctx.ref, case, 1)),
+            )
+        )
+    return rows
+
+
+def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
+    """(d) the same index batches, gathered from memory with the same compiled range copy."""
+    from yogastore.rows import copy_ranges
+
+    case, recs = ctx.case, ctx.recs
+    x_len = np.diff(recs.x_off)
+    t_len = np.diff(recs.tok_off) * 4 if recs.tok_off is not None else None
+    x_buf = np.empty(int(x_len.max(initial=0)) * case.batch_size, np.uint8)
+    t_buf = np.empty(
+        int(t_len.max(initial=0)) * case.batch_size if t_len is not None else 0, np.uint8
+    )
+    tok_bytes = recs.tok.view(np.uint8) if recs.tok is not None else None
+
+    def gather(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        lengths = x_len[idx]
+        offsets = np.zeros(len(idx) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        copy_ranges(x_buf, recs.x, recs.x_off[idx], lengths)
+        if t_len is None or tok_bytes is None or recs.tok_off is None:
+            return offsets, recs.labels[idx], None
+        tl = t_len[idx]
+        copy_ranges(t_buf, tok_bytes, recs.tok_off[idx] * 4, tl)
+        splits = np.zeros(len(idx) + 1, np.int64)
+        np.cumsum(tl // 4, out=splits[1:])
+        return offsets, recs.labels[idx], splits
+
+    checker = Checker(recs)
+    start = time.perf_counter()
+    for idx in index_batches(ctx.ref, case, 1):
+        offsets, y, splits = gather(idx)
+        xs = [x_buf[a:b].tobytes() for a, b in itertools.pairwise(offsets)]
+        toks = None
+        if splits is not None:
+            t = t_buf.view(np.int32)
+            toks = [t[a:b] for a, b in itertools.pairwise(splits)]
+        checker.add(y, xs, toks)
+    passes = case.passes(case.rank_span(), time.perf_counter() - start)
+    batches = list(index_batches(ctx.ref, case, passes))
+
+    def run() -> Tally:
+        tally = Tally()
+        for idx in batches:
+            tally.add(gather(idx)[1])
+        return tally
+
+    runs = repeat_runs(run, case.repeats, np.concatenate(batches))
+    return _row(
+        "d",
+        "in-memory values + offsets, same compiled range copy (ceiling)",
+        case,
+        **runs,
+        passes=passes,
+        verified=checker.result(stream_indices(ctx.ref, case, 1)),
+        note="same index batches as (b)/(c), indices precomputed",
+    )
+
+
+# Build --------------------------------------------------------------------------------------
+
+
+def _sync_timed(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float], Any]:
+    seconds, result = [], None
+    for _ in range(repeats):
+        os.sync()
+        start = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[len(seconds) // 2], seconds, result
+
+
+def build_rows(
+    ctx: VarContext, floor_seconds: Callable[[], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """(g)/(g2) build against iterating the same source; (g3) the plain write floor."""
+    case = ctx.case
+    floor = floor_seconds()
+    write_s = float(floor.get("write_seconds") or 0.0)
+    rows = []
+    for key, label, make in (
+        ("g", "TFRecord file, parsed", lambda: tfrecord_source(ctx.tfrecord, case)),
+        ("g2", "in-memory tensors (from_tensor_slices)", lambda: memory_source(ctx.recs)),
+    ):
+        made = make()
+
+        def iterate(made: Any = made) -> int:
+            count = 0
+            for batch in made.batch(512).prefetch(2):
+                count += int(batch["y"].shape[0])
+            return count
+
+        names: list[str] = []
+
+        def build(made: Any = made, names: list[str] = names, key: str = key) -> int:
+            names.append(f"build-{key}-{len(names)}")
+            return int(ctx.store.cache(names[-1], "1", lambda: made).num_records)
+
+        it_s, it_all, counted = _sync_timed(iterate, case.repeats)
+        build_s, build_all, built = _sync_timed(build, case.repeats)
+        for name in names:
+            ctx.store.delete(name, "1")
+        ok = counted == case.records and built == case.records
+        floor_total = it_s + write_s
+        rows.append(
+            _row(
+                key,
+                f"cache build vs plain iteration: {label}",
+                case,
+                rate=case.records / build_s,
+                records_per_run=case.records,
+                iterate_seconds=it_s,
+                iterate_all=it_all,
+                build_seconds=build_s,
+                build_all=build_all,
+                ratio=build_s / it_s if it_s > 0 else math.inf,
+                ratio_with_write=build_s / floor_total if floor_total > 0 else math.inf,
+                runs_ok=ok,
+                verified={"ok": ok, "records": built, "expected_records": case.records},
+                note=f"build {build_s:.2f}s, iterate {it_s:.2f}s, write {write_s:.2f}s",
+            )
+        )
+    rows.append(floor)
+    return rows

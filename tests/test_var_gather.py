@@ -1,0 +1,250 @@
+"""Variable-length records: compiled range gather, string buffers, exact bytes everywhere."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import yogastore
+from yogastore import StringBuffer, StringFormat
+from yogastore._gather import gather_ranges, split_bytes
+from yogastore.format import ChunkBuilder, ChunkView, ColumnSpec
+from yogastore.rows import VarRows, _segments
+
+N = 240
+
+
+def _record(i: int) -> dict[str, Any]:
+    """Record ``i``: empty strings, zero-length ragged rows, some records above the chunk size."""
+    rng = np.random.default_rng(i)
+    size = 0 if i % 7 == 0 else int(rng.integers(1, 300)) + (3000 if i % 31 == 5 else 0)
+    words = [rng.bytes(int(rng.integers(0, 9))) for _ in range(i % 4)]  # may hold b""
+    return {
+        "s": rng.bytes(size),
+        "tokens": rng.integers(-(2**31), 2**31 - 1, size=i % 5, dtype=np.int32),
+        "words": words,
+        "label": i,
+    }
+
+
+RECORDS = [_record(i) for i in range(N)]
+
+
+def _source() -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices(
+        {
+            "s": tf.constant([r["s"] for r in RECORDS], tf.string),
+            "tokens": tf.ragged.constant([r["tokens"].tolist() for r in RECORDS], tf.int32),
+            "words": tf.ragged.constant([r["words"] for r in RECORDS], tf.string),
+            "label": tf.constant([r["label"] for r in RECORDS], tf.int64),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> yogastore.DatasetRef:
+    # 1 KiB chunks: a batch reads many chunks, and some records exceed a chunk's target size.
+    store = yogastore.Store(tmp_path_factory.mktemp("var"), chunk_bytes=1024)
+    ref = store.cache("var", "1", _source)
+    assert ref.num_records == N and len(ref.manifest.chunks) > 20
+    return ref
+
+
+def _check_numpy_batch(batch: dict[str, Any], strings: StringFormat) -> list[int]:
+    labels = [int(v) for v in batch["label"]]
+    s, words = batch["s"], batch["words"]
+    if strings is StringFormat.BUFFERS:
+        assert isinstance(s, StringBuffer) and s.shape == (len(labels),)
+        assert s.data.dtype == np.uint8 and s.offsets.dtype == np.int64
+        assert isinstance(words.flat_values, StringBuffer)
+        s_list = [s.data[a:b].tobytes() for a, b in zip(s.offsets[:-1], s.offsets[1:], strict=True)]
+        assert s_list == list(s.to_numpy())
+        flat_words = list(words.flat_values.to_numpy())
+    else:
+        assert s.dtype == object and s.shape == (len(labels),)
+        s_list = list(s)
+        flat_words = list(words.flat_values)
+    splits = words.nested_row_splits[0]
+    tok, tok_splits = batch["tokens"].flat_values, batch["tokens"].nested_row_splits[0]
+    assert tok.dtype == np.int32
+    for j, i in enumerate(labels):
+        assert s_list[j] == RECORDS[i]["s"]
+        assert flat_words[splits[j] : splits[j + 1]] == RECORDS[i]["words"]
+        np.testing.assert_array_equal(tok[tok_splits[j] : tok_splits[j + 1]], RECORDS[i]["tokens"])
+    return labels
+
+
+@pytest.mark.parametrize("strings", list(StringFormat), ids=lambda s: s.value)
+@pytest.mark.parametrize("batch_size", [1, 7, 64], ids=lambda b: f"batch{b}")
+def test_numpy_batches_hold_the_exact_bytes(
+    ref: yogastore.DatasetRef, strings: StringFormat, batch_size: int
+) -> None:
+    seen: list[int] = []
+    for rank in range(3):
+        stream = ref.stream(shuffle=True, seed=5, num_shards=3, shard_rank=rank)
+        for batch in stream.batches(batch_size, strings=strings):
+            seen += _check_numpy_batch(batch, strings)
+    assert sorted(seen) == list(range(N))
+
+
+def test_to_tf_dataset_hands_over_exact_strings_and_ragged_rows(ref: yogastore.DatasetRef) -> None:
+    ds = ref.stream(shuffle=True, seed=3).to_tf_dataset(batch_size=32)
+    assert ds.element_spec == _source().batch(32).element_spec
+    seen = []
+    for batch in ds:
+        labels = batch["label"].numpy().tolist()
+        assert batch["s"].numpy().tolist() == [RECORDS[i]["s"] for i in labels]
+        assert batch["words"].to_list() == [RECORDS[i]["words"] for i in labels]
+        assert batch["tokens"].to_list() == [RECORDS[i]["tokens"].tolist() for i in labels]
+        seen += labels
+    assert sorted(seen) == list(range(N))
+
+
+def test_to_tf_dataset_with_drop_remainder_keeps_the_static_batch(
+    ref: yogastore.DatasetRef,
+) -> None:
+    ds = ref.stream(shuffle=False).to_tf_dataset(batch_size=50, drop_remainder=True)
+    assert ds.element_spec == _source().batch(50, drop_remainder=True).element_spec
+    batches = list(ds)
+    assert len(batches) == N // 50
+    assert batches[-1]["s"].numpy().tolist() == [r["s"] for r in RECORDS[150:200]]
+
+
+def test_stream_refuses_a_string_format_that_is_not_the_enum(ref: yogastore.DatasetRef) -> None:
+    with pytest.raises(yogastore.InvalidArgumentError, match="StringFormat"):
+        next(ref.stream().batches(4, strings="buffers"))  # type: ignore[arg-type]
+
+
+# The compiled copies against their numpy definitions --------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gather_ranges_matches_numpy_segments(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, size=4000, dtype=np.uint8)
+    lengths = rng.integers(0, 50, size=200).astype(np.int64)
+    lengths[::9] = 0  # empty ranges anywhere, also at the very end of src
+    starts = np.array([rng.integers(0, len(src) - n + 1) for n in lengths], dtype=np.int64)
+    starts[-1], lengths[-1] = len(src), 0
+    dst = np.full(int(lengths.sum()) + 5, 7, np.uint8)
+    assert gather_ranges(dst, src, starts, lengths) == lengths.sum()
+    np.testing.assert_array_equal(dst[: lengths.sum()], src[_segments(starts, lengths)])
+    assert (dst[lengths.sum() :] == 7).all(), "nothing written past the total"
+
+
+@pytest.mark.parametrize(
+    ("start", "length", "dst_size"),
+    [(-1, 1, 10), (0, -1, 10), (9, 2, 10), (11, 0, 10), (0, 10, 9)],
+    ids=["negative-start", "negative-length", "past-src-end", "start-past-end", "dst-too-small"],
+)
+def test_gather_ranges_refuses_out_of_bounds(start: int, length: int, dst_size: int) -> None:
+    src = np.arange(10, dtype=np.uint8)
+    dst = np.zeros(dst_size, np.uint8)
+    with pytest.raises(IndexError, match="outside"):
+        gather_ranges(dst, src, np.array([0, start], np.int64), np.array([0, length], np.int64))
+
+
+def test_split_bytes_cuts_and_checks() -> None:
+    data = np.frombuffer(b"abc\x00de", np.uint8)
+    assert split_bytes(data, np.array([0, 0, 4, 6], np.int64)) == [b"", b"abc\x00", b"de"]
+    with pytest.raises(IndexError, match="outside"):
+        split_bytes(data, np.array([0, 7], np.int64))
+    with pytest.raises(IndexError, match="outside"):
+        split_bytes(data, np.array([3, 1], np.int64))
+
+
+# Corrupt offsets --------------------------------------------------------------------
+
+
+def _chunk(values: list[Any], spec: ColumnSpec) -> tuple[bytearray, dict[str, Any]]:
+    builder = ChunkBuilder([spec])
+    for v in values:
+        builder.add_record([v])
+    raw = bytearray(builder.encode())
+    length = struct.unpack_from("<I", raw, 4)[0]
+    return raw, json.loads(bytes(raw[8 : 8 + length]))
+
+
+STRING = ColumnSpec("bytes", "string", ())
+TOKENS = ColumnSpec("var", "int32", (None,))
+
+
+@pytest.mark.parametrize(
+    ("spec", "region", "index", "value"),
+    [
+        (STRING, "offsets", 2, 99),
+        (STRING, "boffsets", 1, 10**6),
+        (STRING, "boffsets", 2, -3),
+        (TOKENS, "offsets", 1, -1),
+        (TOKENS, "offsets", 3, 1000),
+    ],
+    ids=["record-offset", "string-end", "string-negative", "var-negative", "var-past-end"],
+)
+def test_corrupt_offsets_raise_corrupt_cache_error(
+    spec: ColumnSpec, region: str, index: int, value: int
+) -> None:
+    values = (
+        [b"ab", b"", b"cdef", b"g"]
+        if spec.layout == "bytes"
+        else [np.arange(n, dtype=np.int32) for n in (2, 0, 3, 1)]
+    )
+    raw, header = _chunk(values, spec)
+    start = header["cols"][0][region][0]
+    good = ChunkView(bytes(raw), [spec], 4, "good")
+    rows = VarRows(spec, 1)
+    rows.add(0, good, 0)
+    local = np.arange(4, dtype=np.int64)
+    assert rows.gather(np.zeros(4, np.int64), local).data.size > 0
+
+    bad = bytearray(raw)
+    struct.pack_into("<q", bad, start + 8 * index, value)
+    with pytest.raises(yogastore.CorruptCacheError):
+        ChunkView(bytes(bad), [spec], 4, "bad chunk")  # caught when the chunk is first read
+    # ... and by the gather itself, if the bytes change after that check.
+    view = ChunkView(raw, [spec], 4, "mutable chunk")
+    rows = VarRows(spec, 1)
+    rows.add(0, view, 0)
+    raw[start + 8 * index : start + 8 * index + 8] = struct.pack("<q", value)
+    with pytest.raises(yogastore.CorruptCacheError, match="mutable chunk"):
+        rows.gather(np.zeros(4, np.int64), local)
+
+
+def test_format_gather_for_per_batch_views_matches_the_source() -> None:
+    from yogastore.format import gather
+
+    views = []
+    for c in range(3):
+        raw, _ = _chunk([bytes([c]) * n for n in (0, 5, 1)], STRING)
+        views.append(ChunkView(bytes(raw), [STRING], 3, f"chunk {c}"))
+    which = np.array([2, 0, 1, 2, 1], np.int64)
+    local = np.array([1, 1, 0, 2, 1], np.int64)
+    batch = gather(STRING, views, which, local, 0)
+    assert list(batch.strings()) == [b"\x02" * 5, b"\x00" * 5, b"", b"\x02", b"\x01" * 5]
+
+
+def test_string_buffer_checks_its_shape() -> None:
+    with pytest.raises(yogastore.UnsupportedElementError):
+        StringBuffer(np.zeros(3, np.uint8), np.array([0, 3], np.int64), (2,))
+    sb = StringBuffer(np.frombuffer(b"abc", np.uint8), np.array([0, 1, 1, 3], np.int64), (3, 1))
+    assert sb.to_numpy().tolist() == [[b"a"], [b""], [b"bc"]]
+    assert len(sb) == 3 and sb.lengths().tolist() == [1, 0, 2]
+
+
+def test_empty_dataset_region_gathers(tmp_path: Path) -> None:
+    # Only empty strings and empty token rows: every data region is empty.
+    ds = tf.data.Dataset.from_tensor_slices(
+        {"s": tf.constant([b""] * 9), "t": tf.ragged.constant([[]] * 9, tf.int32)}
+    )
+    ref = yogastore.Store(tmp_path, chunk_bytes=64).cache("empty", "1", lambda: ds)
+    got = list(ref.stream(shuffle=True).batches(4, strings=StringFormat.BUFFERS))
+    assert sum(len(b["s"]) for b in got) == 9
+    assert all(b["s"].to_numpy().tolist() == [b""] * len(b["s"]) for b in got)
+    tf_batches = list(ref.stream(shuffle=True).to_tf_dataset(batch_size=4))
+    assert [b["s"].numpy().tolist() for b in tf_batches] == [[b""] * 4, [b""] * 4, [b""]]
+    assert all(b["t"].to_list() == [[]] * len(b["t"].to_list()) for b in tf_batches)
