@@ -23,6 +23,7 @@ from yogastore.progress import NullProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
 from yogastore.store import DatasetInfo, DatasetRef, Store
 from yogastore.stream import Stream, StreamState
+from yogastore.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,8 @@ __all__ = [
     "LockTimeoutError",
     "NullProgress",
     "Progress",
+    "QueueStatus",
+    "QueueStream",
     "RaggedValue",
     "Shuffle",
     "SparseValue",
@@ -48,6 +51,8 @@ __all__ = [
     "Stream",
     "StreamState",
     "UnsupportedElementError",
+    "WorkQueue",
+    "WorkQueueState",
     "YogaStoreError",
     "__version__",
 ]
