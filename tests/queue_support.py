@@ -42,6 +42,11 @@ def queue_worker(
     """
     ref = y.Store(url).open("d", "1")
     stream = ref.work_queue(job, **options).stream(worker, prefetch=0)
+    # Start together: process start-up times differ more than the reading does.
+    Path(out + ".ready").touch()
+    go = Path(out).parent / "go"
+    while not go.exists():
+        time.sleep(0.01)
     taken = 0
     with open(out, "a") as f:
         for batch in stream.batches(10):

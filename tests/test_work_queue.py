@@ -97,7 +97,11 @@ def test_bad_arguments_are_refused(ref: y.DatasetRef, kwargs: dict[str, Any]) ->
         ref.work_queue("j", **kwargs)
 
 
-@pytest.mark.parametrize("name", ["", "a/b", "../x", "x" * 201, ".hidden"], ids=str)
+@pytest.mark.parametrize(
+    "name",
+    ["", "a/b", "../x", "x" * 201, ".hidden"],
+    ids=["empty", "slash", "dots", "long", "hidden"],
+)
 def test_bad_names_are_refused(ref: y.DatasetRef, name: str) -> None:
     with pytest.raises(y.InvalidArgumentError):
         ref.work_queue(name)
@@ -188,14 +192,11 @@ def test_state_json_is_checked(ref: y.DatasetRef) -> None:
 def test_lockstep_keeps_every_rank_stepping_until_all_are_done() -> None:
     # Three ranks with 2, 5 and 3 batches; "any rank has data" is a max all-reduce.
     lengths = [2, 5, 3]
-
-    def any_rank(flag: bool, step: collections.Counter[str]) -> bool:
-        step["n"] += 1
-        return step["n"] <= max(lengths)
-
-    steps = [
-        list(lockstep(range(n), lambda f: any_rank(f, collections.Counter()))) for n in lengths
-    ]
+    steps = []
+    for n in lengths:
+        step = iter(range(1, 100))
+        # The max all-reduce of "has data": true while the longest rank has batches.
+        steps.append(list(lockstep(range(n), lambda f, s=step: next(s) <= max(lengths))))
     assert [len(s) for s in steps] == [5, 5, 5]
     assert steps[0] == [0, 1, None, None, None]
 
@@ -218,6 +219,10 @@ def run_workers(
         p.start()
     deadline = time.monotonic() + 180
     try:
+        while not all((tmp_path / f"w{w}.ids.ready").exists() for w in procs):
+            assert time.monotonic() < deadline and all(p.exitcode is None for p in procs.values())
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
         if victim is not None:
             stalled = tmp_path / f"w{victim}.ids.stalled"
             while not stalled.exists():
@@ -244,7 +249,7 @@ def check_slow_and_killed(got: dict[str, list[int]], n: int, slice_len: int) -> 
     assert repeats <= set(victim[len(victim) - len(victim) % slice_len :])
     assert len(repeats) <= slice_len
     fast = [len(got[w]) for w in ("w0", "w1")]
-    assert len(got["w2"]) < 0.6 * min(fast)  # the 3x slower worker took clearly fewer
+    assert len(got["w2"]) < 0.75 * min(fast)  # the 3x slower worker took clearly fewer
 
 
 @pytest.mark.multiprocess
@@ -252,7 +257,7 @@ def test_processes_slow_and_killed_worker_local(store_dir: Path, tmp_path: Path)
     n = 3000
     build(str(store_dir), n)
     options = {"num_slices": 30, "lease_seconds": 1.5, "shuffle": True, "seed": 4}
-    got = run_workers(str(store_dir), tmp_path, options, [0.01, 0.01, 0.03, 0.01], victim=3)
+    got = run_workers(str(store_dir), tmp_path, options, [0.02, 0.02, 0.06, 0.02], victim=3)
     check_slow_and_killed(got, n, 100)
 
 
@@ -269,9 +274,11 @@ def test_processes_slow_and_killed_worker_s3(
     url = f"s3://{bucket}/store"
     n = 2000
     build(url, n)
-    options = {"num_slices": 20, "lease_seconds": 1.5, "shuffle": True, "seed": 4}
-    got = run_workers(url, tmp_path, options, [0.01, 0.01, 0.03, 0.01], victim=3)
-    check_slow_and_killed(got, n, 100)
+    # Requests to a moto server in the test process are slow (tens of ms): a
+    # lease must outlast a few of them under load.
+    options = {"num_slices": 40, "lease_seconds": 5.0, "shuffle": True, "seed": 4}
+    got = run_workers(url, tmp_path, options, [0.1, 0.1, 0.3, 0.1], victim=3)
+    check_slow_and_killed(got, n, 50)
 
 
 @pytest.mark.multiprocess

@@ -50,6 +50,7 @@ from yogastore.order import Interval, Shuffle, intervals_length, split_intervals
 from yogastore.stream import Stream
 
 if TYPE_CHECKING:
+    from yogastore.reader import ChunkSource
     from yogastore.store import DatasetRef
 
 __all__ = [
@@ -701,6 +702,17 @@ class QueueStream(Stream):
 
     def __repr__(self) -> str:
         return f"QueueStream(worker {self.worker!r} of {self.queue!r})"
+
+    @property
+    def source(self) -> ChunkSource:
+        """The chunk source, its look-ahead (object stores) capped at one slice."""
+        if self._source is None:
+            source = self.ref.make_source()
+            cap = getattr(source, "cap_horizon", None)
+            if cap is not None:
+                cap(-(-self.num_records // self.queue.num_slices))
+            self._source = source
+        return self._source
 
     def group_factor(self, batch_size: int, target_bytes: int, most: int) -> int:
         """Gather one batch at a time: a bigger gather would claim slices ahead of need."""
