@@ -90,6 +90,8 @@ class BuildLimitError(YogaStoreError, ValueError):
 
 class RankMismatchError(YogaStoreError, RuntimeError):
     """Distributed ranks disagree on a setting that must be equal on every rank."""
+
+
 class CoordinationError(StorageError):
     """The object store does not enforce the conditional writes that coordinate builders.
 

@@ -29,6 +29,7 @@ from yogastore.progress import NullProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
 from yogastore.store import DatasetInfo, DatasetRef, GcEntry, Store
 from yogastore.stream import Stream, StreamState
+from yogastore.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,8 @@ __all__ = [
     "LockTimeoutError",
     "NullProgress",
     "Progress",
+    "QueueStatus",
+    "QueueStream",
     "RaggedValue",
     "RankMismatchError",
     "Shuffle",
@@ -62,6 +65,8 @@ __all__ = [
     "StringBuffer",
     "StringFormat",
     "UnsupportedElementError",
+    "WorkQueue",
+    "WorkQueueState",
     "YogaStoreError",
     "__version__",
 ]

@@ -276,6 +276,14 @@ class RemoteChunkSource:
         self._trim()
         return out
 
+    def cap_horizon(self, records: int) -> None:
+        """Look at most about ``records`` records ahead of the batch being read.
+
+        A work queue claims a slice when the look-ahead first needs it, so its
+        streams keep the look-ahead within about one slice.
+        """
+        self._horizon = max(1, min(self._horizon, int(records)))
+
     def plan(self, batches: Iterator[IntArray]) -> Iterator[IntArray]:
         """Pass ``batches`` through, looking ahead to decide and prefetch.
 

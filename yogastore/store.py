@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage_backends import Backend, open_backend
 from storage_backends.errors import (
@@ -38,6 +38,9 @@ from yogastore.reader import ChunkSource, LocalChunkSource
 from yogastore.spec import ComponentSpec, Schema
 from yogastore.stream import Stream, StreamState
 from yogastore.writer import new_build_id, records_from_iterable, write_dataset
+
+if TYPE_CHECKING:
+    from yogastore.work_queue import WorkQueue, WorkQueueState
 
 __all__ = ["DatasetInfo", "DatasetRef", "GcEntry", "Store", "default_root"]
 
@@ -196,6 +199,48 @@ class DatasetRef:
             num_epochs=num_epochs,
             block_window=block_window,
             prefetch=prefetch,
+        )
+
+    def work_queue(
+        self,
+        job: str,
+        *,
+        num_slices: int = 40,
+        shuffle: bool | Shuffle = True,
+        seed: int = 0,
+        epoch: int = 0,
+        num_epochs: int = 1,
+        lease_seconds: float = 30.0,
+        block_window: int | None = None,
+        resume: WorkQueueState | str | None = None,
+    ) -> WorkQueue:
+        """Return job ``job``'s dynamic work queue over this dataset.
+
+        Each epoch's order (the same as ``stream``'s for ``shuffle``, ``seed``
+        and ``epoch``) is cut into ``num_slices`` contiguous slices; workers
+        claim them one at a time with ``queue.stream(worker=...)``, so fast
+        workers read more. A claim is a lease renewed while its worker reads;
+        the slice of a worker that stops renewing for ``lease_seconds`` is read
+        again whole by another. Every worker of a job must pass the same
+        arguments. ``resume`` (a merged ``WorkQueueState``) continues a job
+        from a checkpoint; its ordering arguments replace the others.
+
+        Raises:
+            InvalidArgumentError: an argument is out of range.
+        """
+        from yogastore.work_queue import WorkQueue
+
+        return WorkQueue(
+            self,
+            job,
+            num_slices=num_slices,
+            shuffle=shuffle,
+            seed=seed,
+            epoch=epoch,
+            num_epochs=num_epochs,
+            lease_seconds=lease_seconds,
+            block_window=block_window,
+            resume=resume,
         )
 
     def resume(

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.assemble import batch_components, batch_length, element_components, slice_batch
+from yogastore.assignment import Assignment, StaticAssignment
 from yogastore.format import StringFormat
 from yogastore.order import (
     BlockShuffleOrder,
@@ -32,9 +33,7 @@ from yogastore.order import (
     SequentialOrder,
     Shuffle,
     intervals_length,
-    remaining_after,
     slice_intervals,
-    split_intervals,
 )
 from yogastore.spec import STRING, Kind, Schema, row_bytes
 
@@ -188,6 +187,7 @@ class Stream:
         block_window: int,
         first_intervals: tuple[Interval, ...] | None = None,
         prefetch: int | None = None,
+        assignment: Assignment | None = None,
     ) -> None:
         self.num_shards = _check_int("num_shards", num_shards, 1)
         self.shard_rank = _check_int("shard_rank", shard_rank, 0)
@@ -205,7 +205,18 @@ class Stream:
         self.drop_remainder = bool(drop_remainder)
         self.ref = ref
         self.num_records = ref.num_records
-        self._first = first_intervals
+        self.static: StaticAssignment | None = None
+        if assignment is None:
+            assignment = self.static = StaticAssignment(
+                num_records=self.num_records,
+                shard_rank=self.shard_rank,
+                num_shards=self.num_shards,
+                drop_remainder=self.drop_remainder,
+                num_epochs=self.num_epochs,
+                start_offset=self.start_offset,
+                first_intervals=first_intervals,
+            )
+        self.assignment = assignment
         self._source: ChunkSource | None = None
 
     def __repr__(self) -> str:
@@ -217,19 +228,6 @@ class Stream:
 
     # Positions -------------------------------------------------------------------
 
-    def _epoch_intervals(self, k: int) -> tuple[Interval, ...]:
-        if k == 0 and self._first is not None:
-            return self._first
-        return ((0, self.num_records),) if self.num_records else ()
-
-    def _epoch_span(self, k: int) -> list[Interval]:
-        return split_intervals(
-            self._epoch_intervals(k), self.num_shards, self.shard_rank, self.drop_remainder
-        )
-
-    def _epoch_length(self, k: int) -> int:
-        return intervals_length(self._epoch_span(k))
-
     def order(self, epoch: int) -> EpochOrder:
         """Return the global order of ``epoch`` (positions -> record indices)."""
         if self.shuffle is Shuffle.NONE:
@@ -240,42 +238,27 @@ class Stream:
         return BlockShuffleOrder(sizes, self.seed, epoch, self.block_window)
 
     def __len__(self) -> int:
-        if self.num_epochs is None:
-            raise TypeError("an endless stream (num_epochs=None) has no length")
-        total = sum(self._epoch_length(k) for k in range(min(self.num_epochs, 1)))
-        if self.num_epochs > 1:
-            total += (self.num_epochs - 1) * self._epoch_length(1)
-        return max(total - self.start_offset, 0)
-
-    def _locate(self, consumed: int) -> tuple[int, int]:
-        """Return (epoch index k, offset in k's span) after ``consumed`` records."""
-        k, left = 0, consumed
-        while self.num_epochs is None or k < self.num_epochs:
-            length = self._epoch_length(k)
-            if left < length or (length == 0 and k > 0):
-                return k, left
-            left -= length
-            k += 1
-        return k, 0
+        length = self.assignment.length()
+        if length is None:
+            raise TypeError(
+                "this stream's length is not known in advance (num_epochs=None, "
+                "or records claimed from a work queue)"
+            )
+        return length
 
     def _record_pieces(self, piece: int = _INTERNAL_BATCH * 4) -> Iterator[IntArray]:
-        """Yield this rank's record indices in stream order, in pieces of ``piece``."""
-        k, offset = self._locate(self.start_offset)
-        while self.num_epochs is None or k < self.num_epochs:
-            span = self._epoch_span(k)
-            length = intervals_length(span)
-            if length == 0 and k > 0:
-                return  # every later epoch is empty too
+        """Yield this stream's record indices in order, in pieces of at most ``piece``."""
+        for k, intervals in self.assignment.spans():
             order = self.order(self.epoch + k)
-            pos = offset
-            while pos < length:
-                end = min(pos + piece, length)
+            length = intervals_length(intervals)
+            for pos in range(0, length, piece):
                 positions = np.concatenate(
-                    [np.arange(a, b, dtype=np.int64) for a, b in slice_intervals(span, pos, end)]
+                    [
+                        np.arange(a, b, dtype=np.int64)
+                        for a, b in slice_intervals(intervals, pos, min(pos + piece, length))
+                    ]
                 )
                 yield order.records(positions)
-                pos = end
-            k, offset = k + 1, 0
 
     def record_indices(self, batch_size: int) -> Iterator[IntArray]:
         """Yield this rank's record indices in batches of ``batch_size`` (last may be short)."""
@@ -316,9 +299,11 @@ class Stream:
         depth = self.prefetch
         if depth is None:  # remote reads wait on the network; local ones only copy
             depth = _REMOTE_PREFETCH if plan is not None else 0
+        consume = self.assignment.consume
         if depth == 0:
             for records in indices:
                 yield records, source.gather(records)
+                consume(len(records))
             return
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="yogastore") as pool:
             window: list[tuple[IntArray, concurrent.futures.Future[Any]]] = []
@@ -327,8 +312,10 @@ class Stream:
                 if len(window) > depth:
                     records0, fut = window.pop(0)
                     yield records0, fut.result()
+                    consume(len(records0))
             for records0, fut in window:
                 yield records0, fut.result()
+                consume(len(records0))
 
     def __iter__(self) -> Iterator[Any]:
         schema = self.ref.schema
@@ -466,19 +453,11 @@ class Stream:
         position of the epoch no rank has consumed yet.
         """
         consumed = _check_int("consumed", consumed, 0)
-        k, left = 0, self.start_offset + consumed
-        while True:
-            length = self._epoch_length(k)
-            if left <= length or (length == 0 and k > 0):
-                break
-            left -= length
-            k += 1
-        # A rank that finished its span may still see other ranks' last records.
-        remaining = tuple(
-            remaining_after(self._epoch_intervals(k), self.num_shards, self.drop_remainder, left)
-        )
-        if not remaining:
-            k, remaining = k + 1, self._epoch_intervals(k + 1)
+        if self.static is None:
+            raise TypeError(
+                f"{type(self.assignment).__name__} streams keep their position in their own state"
+            )
+        k, remaining = self.static.remaining(consumed)
         return StreamState(
             dataset=self.ref.fingerprint,
             num_records=self.num_records,

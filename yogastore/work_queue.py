@@ -1,0 +1,785 @@
+"""A dynamic work queue over a cached dataset: fast workers take more.
+
+Each epoch's global order (the same order ``DatasetRef.stream`` uses) is cut
+into ``num_slices`` contiguous slices of positions. A worker claims the next
+free slice with an atomic create-if-absent in the store that holds the
+dataset, renews the claim (a lease) while it reads, and marks the slice done
+once its consumer has taken every record of it. A worker that dies leaves its
+slice claimed until the lease expires; any worker then takes it over and reads
+it whole. No server: the store's exclusive put is the only coordination.
+
+Keys, under ``.queues/<dataset>/<version>/<job>/<run>/`` (``run`` is ``fresh``
+or a digest of the resume state the job started from):
+
+* ``job.json``: the job's parameters, created once; workers that disagree fail.
+* ``e<epoch>/s<slice>.c<gen>``: claim generation ``gen`` (exclusive put; a
+  takeover of an expired claim creates ``gen + 1``). Its value holds the worker
+  and the lease's first expiry.
+* ``e<epoch>/s<slice>.c<gen>.l<ms>``: lease renewed until ``ms`` (Unix time in
+  milliseconds); only the claim's holder writes these.
+* ``e<epoch>/s<slice>.done``: the slice's records were all consumed.
+
+Every state the queue needs is read from one listing per claim, so a store
+whose reads may serve an older snapshot of a value is still safe: only keys
+that never change after creation are ever read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from storage_backends.errors import (
+    CorruptCacheError,
+    InvalidArgumentError,
+    KeyExistsError,
+    KeyNotFoundError,
+)
+from yogastore.assignment import Assignment, Span
+from yogastore.order import Interval, Shuffle, intervals_length, split_intervals
+from yogastore.stream import Stream
+
+if TYPE_CHECKING:
+    from yogastore.reader import ChunkSource
+    from yogastore.store import DatasetRef
+
+__all__ = [
+    "QueueAssignment",
+    "QueueStatus",
+    "QueueStream",
+    "WorkQueue",
+    "WorkQueueState",
+    "lockstep",
+]
+
+logger = logging.getLogger(__name__)
+
+_ROOT = ".queues"
+_STATE_VERSION = 1
+_KEY = re.compile(r"s(\d{1,9})\.(?:c(\d{1,9})(?:\.l(\d{1,15}))?|(done))")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,199}")
+_MAX_SLICES = 1_000_000
+
+
+def _check_name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise InvalidArgumentError(
+            f"{what} must be 1-200 characters of letters, digits and ._@:+- "
+            f"(starting with a letter or digit), got {value!r}"
+        )
+    return value
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise InvalidArgumentError(f"{name} must be <= {high}, got {value!r}")
+    return value
+
+
+def _union(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
+    out: list[Interval] = []
+    for a, b in sorted(i for i in intervals if i[0] < i[1]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def _complement(intervals: Sequence[Interval], n: int) -> tuple[Interval, ...]:
+    out, last = [], 0
+    for a, b in _union(intervals):
+        if last < a:
+            out.append((last, a))
+        last = b
+    if last < n:
+        out.append((last, n))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WorkQueueState:
+    """Which positions of which epochs a job's workers have consumed.
+
+    Take one per worker with ``QueueStream.state(consumed)`` at a checkpoint,
+    combine the workers' states with ``merge``, and start the job again with
+    ``ref.work_queue(job, resume=state)`` (any number of workers): nothing the
+    state counts as consumed is read again, everything else is.
+    """
+
+    dataset: str
+    num_records: int
+    seed: int
+    epoch: int
+    num_epochs: int
+    shuffle: Shuffle
+    block_window: int
+    num_slices: int
+    consumed: tuple[tuple[int, tuple[Interval, ...]], ...]
+
+    def __post_init__(self) -> None:
+        for name in ("num_records", "seed", "epoch", "num_epochs", "block_window", "num_slices"):
+            _check_int(f"state {name}", getattr(self, name), 0)
+        for e, intervals in self.consumed:
+            if not self.epoch <= e < self.epoch + self.num_epochs:
+                raise InvalidArgumentError(f"state names epoch {e} outside the job's epochs")
+            last = 0
+            for a, b in intervals:
+                if not last <= a < b <= self.num_records:
+                    raise InvalidArgumentError(
+                        f"state intervals {intervals} of epoch {e} are not sorted, disjoint "
+                        f"intervals within [0, {self.num_records})"
+                    )
+                last = b
+
+    def consumed_in(self, epoch: int) -> tuple[Interval, ...]:
+        """Return the consumed positions of ``epoch``."""
+        return dict(self.consumed).get(epoch, ())
+
+    @property
+    def remaining_records(self) -> int:
+        """Records of the job's epochs not consumed yet."""
+        done = sum(intervals_length(i) for _e, i in self.consumed)
+        return self.num_records * self.num_epochs - done
+
+    @classmethod
+    def merge(cls, states: Iterable[WorkQueueState]) -> WorkQueueState:
+        """Combine the states of all workers of one job (taken at one checkpoint).
+
+        Raises:
+            InvalidArgumentError: the states belong to different jobs or orders.
+        """
+        states = list(states)
+        if not states:
+            raise InvalidArgumentError("merge needs at least one state")
+        first = states[0]
+        for s in states[1:]:
+            if dataclasses.replace(s, consumed=()) != dataclasses.replace(first, consumed=()):
+                raise InvalidArgumentError(f"states of different jobs cannot merge: {s} vs {first}")
+        by_epoch: dict[int, list[Interval]] = {}
+        for s in states:
+            for e, intervals in s.consumed:
+                by_epoch.setdefault(e, []).extend(intervals)
+        consumed = tuple((e, _union(by_epoch[e])) for e in sorted(by_epoch))
+        return dataclasses.replace(first, consumed=tuple((e, i) for e, i in consumed if i))
+
+    def to_json(self) -> str:
+        """Return the state as a JSON string."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc["shuffle"] = self.shuffle.value
+        doc["consumed"] = [[e, [list(i) for i in ivs]] for e, ivs in self.consumed]
+        return json.dumps({"yogastore_queue_state": _STATE_VERSION, **doc}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkQueueState:
+        """Parse a state written by ``to_json``.
+
+        Raises:
+            InvalidArgumentError: the text is not a valid state.
+        """
+        if not isinstance(text, str | bytes) or len(text) > 64 << 20:
+            raise InvalidArgumentError("a work queue state is a JSON string of at most 64 MiB")
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict) or doc.get("yogastore_queue_state") != _STATE_VERSION:
+                raise ValueError("not a yogastore work queue state of a known version")
+            consumed = []
+            for e, ivs in doc["consumed"]:
+                pairs = [(a, b) for a, b in ivs]
+                if any(type(v) is not int for v in itertools.chain([e], *pairs)):
+                    raise ValueError("epochs and positions must be integers")
+                consumed.append((e, tuple(pairs)))
+            return cls(
+                dataset=str(doc["dataset"]),
+                num_records=doc["num_records"],
+                seed=doc["seed"],
+                epoch=doc["epoch"],
+                num_epochs=doc["num_epochs"],
+                shuffle=Shuffle(doc["shuffle"]),
+                block_window=doc["block_window"],
+                num_slices=doc["num_slices"],
+                consumed=tuple(consumed),
+            )
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            raise InvalidArgumentError(f"invalid work queue state {text!r:.200}: {err}") from err
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class QueueStatus:
+    """A job's progress, from one listing of its keys per epoch.
+
+    ``workers`` maps each worker to the number of slices it completed;
+    ``claimed`` counts slices held under a live lease, ``expired`` those whose
+    holder stopped renewing (they are taken over by the next claim).
+    """
+
+    job: str
+    epochs: tuple[int, ...]
+    slices: int
+    done: int
+    claimed: int
+    expired: int
+    free: int
+    workers: dict[str, int]
+
+    @property
+    def finished(self) -> bool:
+        """Whether every slice of every epoch is done."""
+        return self.done == self.slices
+
+
+@dataclasses.dataclass(slots=True)
+class _Slice:
+    epoch: int  # absolute epoch
+    index: int
+    intervals: tuple[Interval, ...]
+    gen: int = 0
+    lease_key: str | None = None
+    left: int = 0  # records the consumer has still to take
+
+
+@dataclasses.dataclass(slots=True)
+class _SliceState:
+    gen: int = -1  # highest claim generation, -1: never claimed
+    expires_ms: int = 0  # latest lease expiry of that generation, 0: unknown
+    done: bool = False
+
+
+class WorkQueue:
+    """A job's queue of slices over a dataset. Build it with ``DatasetRef.work_queue``."""
+
+    def __init__(
+        self,
+        ref: DatasetRef,
+        job: str,
+        *,
+        num_slices: int = 40,
+        shuffle: bool | Shuffle = True,
+        seed: int = 0,
+        epoch: int = 0,
+        num_epochs: int = 1,
+        lease_seconds: float = 30.0,
+        block_window: int | None = None,
+        resume: WorkQueueState | str | None = None,
+    ) -> None:
+        self.ref = ref
+        self.job = _check_name(job, "job name")
+        if isinstance(resume, str | bytes):
+            resume = WorkQueueState.from_json(resume)
+        if resume is not None:
+            if not isinstance(resume, WorkQueueState):
+                raise InvalidArgumentError(f"resume must be a WorkQueueState, got {resume!r}")
+            if resume.dataset != ref.fingerprint or resume.num_records != ref.num_records:
+                raise InvalidArgumentError(
+                    f"work queue state belongs to {resume.dataset!r} ({resume.num_records} "
+                    f"records), not {ref.fingerprint!r} ({ref.num_records} records)"
+                )
+            num_slices, shuffle, seed = resume.num_slices, resume.shuffle, resume.seed
+            epoch, num_epochs, block_window = resume.epoch, resume.num_epochs, resume.block_window
+        self.num_slices = _check_int("num_slices", num_slices, 1, _MAX_SLICES)
+        self.seed = _check_int("seed", seed, 0)
+        self.epoch = _check_int("epoch", epoch, 0)
+        self.num_epochs = _check_int("num_epochs", num_epochs, 1)
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
+            raise InvalidArgumentError(f"lease_seconds must be a number, got {lease_seconds!r}")
+        if not 0.05 <= lease_seconds <= 86400:
+            raise InvalidArgumentError(
+                f"lease_seconds must be in [0.05, 86400], got {lease_seconds}"
+            )
+        self.lease_seconds = float(lease_seconds)
+        template = ref.stream(shuffle=shuffle, seed=self.seed, epoch=self.epoch, num_epochs=1)
+        self.shuffle = template.shuffle
+        self.block_window = _check_int(
+            "block_window", template.block_window if block_window is None else block_window, 1
+        )
+        self.resumed_from = resume
+        run = "fresh"
+        if resume is not None:
+            run = "r" + hashlib.sha256(resume.to_json().encode()).hexdigest()[:16]
+        self.prefix = f"{_ROOT}/{ref.dataset_id}/{ref.version}/{self.job}/{run}/"
+        self._params = {
+            "dataset": ref.fingerprint,
+            "num_records": ref.num_records,
+            "num_slices": self.num_slices,
+            "shuffle": self.shuffle.value,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "num_epochs": self.num_epochs,
+            "block_window": self.block_window,
+        }
+        self._checked = False
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkQueue({self.job!r} on {self.ref.dataset_id!r}/{self.ref.version!r}, "
+            f"{self.num_slices} slices x {self.num_epochs} epochs from {self.epoch}, "
+            f"shuffle={self.shuffle.name}, seed={self.seed})"
+        )
+
+    @property
+    def backend(self) -> Any:
+        """The storage backend holding the dataset and the queue's keys."""
+        return self.ref.store.backend
+
+    @property
+    def epochs(self) -> range:
+        """The absolute epoch numbers of the job."""
+        return range(self.epoch, self.epoch + self.num_epochs)
+
+    def epoch_positions(self, epoch: int) -> tuple[Interval, ...]:
+        """Return the positions of ``epoch`` the job reads (all, or a resume's remainder)."""
+        n = self.ref.num_records
+        if self.resumed_from is not None:
+            return _complement(self.resumed_from.consumed_in(epoch), n)
+        return ((0, n),) if n else ()
+
+    def slice_intervals(self, epoch: int, index: int) -> tuple[Interval, ...]:
+        """Return the positions of slice ``index`` of ``epoch`` (may be empty)."""
+        return tuple(split_intervals(self.epoch_positions(epoch), self.num_slices, index, False))
+
+    def check_job(self) -> None:
+        """Create the job's parameter record, or check it matches this queue's.
+
+        Raises:
+            InvalidArgumentError: the job exists with other parameters.
+        """
+        if self._checked:
+            return
+        key = self.prefix + "job.json"
+        doc = json.dumps(self._params, sort_keys=True).encode()
+        try:
+            self.backend.put_exclusive(key, doc)
+        except KeyExistsError:
+            try:
+                stored = json.loads(bytes(self.backend.get(key)))
+            except (ValueError, RecursionError) as err:
+                raise CorruptCacheError(f"work queue record {key!r} is not valid JSON") from err
+            if stored != self._params:
+                diff = sorted(
+                    k
+                    for k in set(stored) | set(self._params)
+                    if stored.get(k) != self._params.get(k)
+                )
+                theirs = {k: stored.get(k) for k in diff}
+                ours = {k: self._params.get(k) for k in diff}
+                raise InvalidArgumentError(
+                    f"work queue job {self.job!r} already exists with other parameters "
+                    f"{theirs} (this worker: {ours}); every worker must use the same "
+                    "parameters; use a new job name or delete the old job"
+                ) from None
+        self._checked = True
+
+    def read_epoch(self, epoch: int) -> dict[int, _SliceState]:
+        """Return the state of every slice of ``epoch`` that has keys, from one listing."""
+        base = f"{self.prefix}e{epoch}/"
+        states: dict[int, _SliceState] = {}
+        for key in self.backend.list(base):
+            m = _KEY.fullmatch(key[len(base) :])
+            if m is None:
+                continue  # not ours; never fatal
+            index = int(m.group(1))
+            st = states.setdefault(index, _SliceState())
+            if m.group(4):
+                st.done = True
+            elif m.group(3) is not None:
+                gen, ms = int(m.group(2)), int(m.group(3))
+                if gen > st.gen:
+                    st.gen, st.expires_ms = gen, ms
+                elif gen == st.gen:
+                    st.expires_ms = max(st.expires_ms, ms)
+            else:
+                gen = int(m.group(2))
+                if gen > st.gen:
+                    st.gen, st.expires_ms = gen, 0
+        return states
+
+    def claim_expiry(self, epoch: int, index: int, gen: int) -> int:
+        """Return the first lease expiry (ms) written in a claim's value."""
+        key = f"{self.prefix}e{epoch}/s{index:06d}.c{gen}"
+        try:
+            doc = json.loads(bytes(self.backend.get(key)))
+            return _check_int("expires_ms", doc["expires_ms"], 0)
+        except KeyNotFoundError:
+            return 0
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            raise CorruptCacheError(f"work queue claim {key!r} is not valid: {err}") from err
+
+    def stream(self, worker: str, *, prefetch: int | None = None) -> QueueStream:
+        """Return the stream of records this worker claims from the queue.
+
+        Args:
+            worker: a name for this worker (shown by ``status``), e.g. ``host3-rank1``.
+            prefetch: batches read ahead on a background thread, as for ``stream``.
+        """
+        _check_name(worker, "worker name")
+        self.check_job()
+        return QueueStream(self, worker, prefetch=prefetch)
+
+    def status(self) -> QueueStatus:
+        """Return the job's progress (one listing per epoch, one read per done slice)."""
+        now = int(time.time() * 1000)
+        slices = done = claimed = expired = 0
+        workers: dict[str, int] = {}
+        for e in self.epochs:
+            states = self.read_epoch(e)
+            for index in range(self.num_slices):
+                if not self.slice_intervals(e, index):
+                    continue
+                slices += 1
+                st = states.get(index, _SliceState())
+                if st.done:
+                    done += 1
+                    try:
+                        key = f"{self.prefix}e{e}/s{index:06d}.done"
+                        doc = json.loads(bytes(self.backend.get(key)))
+                        name = str(doc["worker"])
+                    except (ValueError, KeyError, TypeError, RecursionError):
+                        name = "?"
+                    workers[name] = workers.get(name, 0) + 1
+                elif st.gen >= 0:
+                    expiry = st.expires_ms or self.claim_expiry(e, index, st.gen)
+                    if expiry > now:
+                        claimed += 1
+                    else:
+                        expired += 1
+        return QueueStatus(
+            job=self.job,
+            epochs=tuple(self.epochs),
+            slices=slices,
+            done=done,
+            claimed=claimed,
+            expired=expired,
+            free=slices - done - claimed - expired,
+            workers=workers,
+        )
+
+    def delete(self) -> None:
+        """Remove every key of this job (all runs: fresh and resumed)."""
+        job_prefix = self.prefix.rsplit("/", 2)[0] + "/"
+        self.backend.delete_prefix(job_prefix)
+        self._checked = False
+
+
+class QueueAssignment(Assignment):
+    """A worker's claims from a ``WorkQueue``: slice after slice until all are done."""
+
+    def __init__(self, queue: WorkQueue, worker: str, *, poll_seconds: float | None = None) -> None:
+        self.queue = queue
+        self.worker = worker
+        self.poll = poll_seconds if poll_seconds is not None else min(1.0, queue.lease_seconds / 4)
+        self._mutex = threading.Lock()
+        self._held: deque[_Slice] = deque()  # claimed, not all consumed, in reading order
+        self._taken: list[_Slice] = []  # every slice handed out, in reading order
+        self._complete: set[int] = set()  # epochs with every slice done
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self._stash: _Slice | None = None  # claimed by wait_for_work, read next
+        self.claims = 0  # successful claims (statistics)
+        self.takeovers = 0
+
+    # Claims ------------------------------------------------------------------------
+
+    def _expiry_ms(self) -> int:
+        return int((time.time() + self.queue.lease_seconds) * 1000)
+
+    def _try_claim(self, epoch: int, index: int, gen: int) -> _Slice | None:
+        q = self.queue
+        key = f"{q.prefix}e{epoch}/s{index:06d}.c{gen}"
+        doc = {"worker": self.worker, "expires_ms": self._expiry_ms()}
+        try:
+            q.backend.put_exclusive(key, json.dumps(doc).encode())
+        except KeyExistsError:
+            return None
+        piece = _Slice(epoch, index, q.slice_intervals(epoch, index), gen)
+        piece.left = intervals_length(piece.intervals)
+        return piece
+
+    def _scan(self) -> tuple[_Slice | None, bool]:
+        """Claim the next free (or expired) slice.
+
+        Returns:
+            The claimed slice (or ``None``), and whether other workers still
+            hold live claims on unfinished slices.
+        """
+        q = self.queue
+        waiting = False
+        now = int(time.time() * 1000)
+        with self._mutex:
+            mine = {(p.epoch, p.index, p.gen) for p in self._held}
+        for e in q.epochs:
+            if e in self._complete:
+                continue
+            states = q.read_epoch(e)
+            pending = False
+            for index in range(q.num_slices):
+                st = states.get(index)
+                if (st is not None and st.done) or not q.slice_intervals(e, index):
+                    continue
+                if st is None or st.gen < 0:
+                    got = self._try_claim(e, index, 0)
+                elif (e, index, st.gen) in mine:
+                    pending = True  # ours, still being consumed
+                    continue
+                else:
+                    expiry = st.expires_ms or q.claim_expiry(e, index, st.gen)
+                    if expiry > now:
+                        pending = True
+                        continue
+                    got = self._try_claim(e, index, st.gen + 1)
+                    if got is not None:
+                        self.takeovers += 1
+                        logger.warning(
+                            "worker %s took over slice %d of epoch %d of job %s "
+                            "(its lease expired); it is read again whole",
+                            self.worker,
+                            index,
+                            e,
+                            q.job,
+                        )
+                if got is not None:
+                    self.claims += 1
+                    return got, True
+                pending = True  # someone else won it just now
+            if not pending:
+                self._complete.add(e)
+            waiting = waiting or pending
+        return None, waiting
+
+    def wait_for_work(self) -> bool:
+        """Wait while other workers hold the last slices; claim one if its lease expires.
+
+        Called once everything this worker claimed has been consumed.
+
+        Returns:
+            Whether a slice was claimed (the stream reads on), or every slice is done.
+        """
+        while True:
+            piece, waiting = self._scan()
+            if piece is not None:
+                self._stash = piece
+                return True
+            if not waiting or self._stop.wait(self.poll):
+                return False
+
+    def finish_all(self) -> None:
+        """Mark every held slice done: the stream handed out (or dropped) all of it."""
+        with self._mutex:
+            held = list(self._held)
+            self._held.clear()
+        for piece in held:
+            self._finish(piece)
+
+    # Leases ------------------------------------------------------------------------
+
+    def _renew(self, piece: _Slice) -> None:
+        q = self.queue
+        key = f"{q.prefix}e{piece.epoch}/s{piece.index:06d}.c{piece.gen}.l{self._expiry_ms()}"
+        q.backend.put(key, b"")
+        old, piece.lease_key = piece.lease_key, key
+        if old is not None and old != key:
+            q.backend.delete(old)
+
+    def _renew_loop(self) -> None:
+        interval = self.queue.lease_seconds / 3
+        while not self._stop.wait(interval):
+            with self._mutex:
+                held = list(self._held)
+            for piece in held:
+                try:
+                    self._renew(piece)
+                except Exception as err:  # retried next round
+                    logger.warning("renewing the lease of a slice failed (retrying): %s", err)
+
+    def _finish(self, piece: _Slice) -> None:
+        q = self.queue
+        key = f"{q.prefix}e{piece.epoch}/s{piece.index:06d}.done"
+        doc = {
+            "worker": self.worker,
+            "gen": piece.gen,
+            "records": intervals_length(piece.intervals),
+        }
+        # KeyExistsError: a takeover finished it too; the records were read twice.
+        with contextlib.suppress(KeyExistsError):
+            q.backend.put_exclusive(key, json.dumps(doc).encode())
+        if piece.lease_key is not None:
+            q.backend.delete(piece.lease_key)
+            piece.lease_key = None
+
+    # Assignment --------------------------------------------------------------------
+
+    def spans(self) -> Iterator[Span]:
+        if self._renewer is None or not self._renewer.is_alive():
+            self._stop.clear()
+            self._renewer = threading.Thread(
+                target=self._renew_loop, name="yogastore-lease", daemon=True
+            )
+            self._renewer.start()
+        while True:
+            piece, self._stash = self._stash, None
+            if piece is None:
+                piece, _waiting = self._scan()
+            if piece is None:
+                return  # nothing claimable now; see wait_for_work
+            with self._mutex:
+                self._held.append(piece)
+                self._taken.append(piece)
+            yield piece.epoch - self.queue.epoch, piece.intervals
+
+    def consume(self, count: int) -> None:
+        while count > 0:
+            with self._mutex:
+                if not self._held:
+                    return
+                piece = self._held[0]
+                take = min(count, piece.left)
+                piece.left -= take
+                count -= take
+                finished = piece.left == 0
+                if finished:
+                    self._held.popleft()
+            if finished:
+                self._finish(piece)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def consumed(self, count: int) -> dict[int, list[Interval]]:
+        """Return the positions per epoch of the first ``count`` records handed out."""
+        out: dict[int, list[Interval]] = {}
+        with self._mutex:
+            taken = list(self._taken)
+        for piece in taken:
+            if count <= 0:
+                break
+            n = intervals_length(piece.intervals)
+            part = piece.intervals if count >= n else tuple(_prefix(piece.intervals, count))
+            out.setdefault(piece.epoch, []).extend(part)
+            count -= n
+        return out
+
+
+def _prefix(intervals: Sequence[Interval], count: int) -> Iterator[Interval]:
+    for a, b in intervals:
+        if count <= 0:
+            return
+        yield a, min(b, a + count)
+        count -= b - a
+
+
+class QueueStream(Stream):
+    """A worker's records from a ``WorkQueue``. Build it with ``WorkQueue.stream``."""
+
+    def __init__(self, queue: WorkQueue, worker: str, *, prefetch: int | None = None) -> None:
+        self.queue = queue
+        self.worker = worker
+        self.claims = QueueAssignment(queue, worker)
+        super().__init__(
+            queue.ref,
+            shard_rank=0,
+            num_shards=1,
+            shuffle=queue.shuffle,
+            seed=queue.seed,
+            epoch=queue.epoch,
+            start_offset=0,
+            drop_remainder=False,
+            num_epochs=queue.num_epochs,
+            block_window=queue.block_window,
+            prefetch=prefetch,
+            assignment=self.claims,
+        )
+
+    def __repr__(self) -> str:
+        return f"QueueStream(worker {self.worker!r} of {self.queue!r})"
+
+    @property
+    def source(self) -> ChunkSource:
+        """The chunk source, its look-ahead (object stores) capped at one slice."""
+        if self._source is None:
+            source = self.ref.make_source()
+            cap = getattr(source, "cap_horizon", None)
+            if cap is not None:
+                cap(-(-self.num_records // self.queue.num_slices))
+            self._source = source
+        return self._source
+
+    def group_factor(self, batch_size: int, target_bytes: int, most: int) -> int:
+        """Gather one batch at a time: a bigger gather would claim slices ahead of need."""
+        return 1
+
+    def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
+        """Yield column batches of claimed slices until every slice of the job is done.
+
+        A round reads slices while any is free. When none is, everything this
+        worker claimed has been handed out; it then waits while other workers
+        hold the last slices, and reads on if one of their leases expires.
+        """
+        try:
+            while True:
+                yield from super().column_batches(batch_size, drop_remainder)
+                self.claims.finish_all()
+                if not self.claims.wait_for_work():
+                    return
+        finally:
+            self.claims.close()
+
+    def state(self, consumed: int) -> WorkQueueState:  # type: ignore[override]
+        """Return this worker's part of the job's position after ``consumed`` records.
+
+        Merge the states of all workers taken at one checkpoint with
+        ``WorkQueueState.merge``; a resumed job starts from the merge.
+        """
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise InvalidArgumentError(f"consumed must be an integer >= 0, got {consumed!r}")
+        q = self.queue
+        mine = self.claims.consumed(consumed)
+        before = q.resumed_from
+        merged: dict[int, list[Interval]] = {}
+        for e in q.epochs:
+            ivs = list(mine.get(e, ()))
+            if before is not None:
+                ivs.extend(before.consumed_in(e))
+            if ivs:
+                merged[e] = ivs
+        return WorkQueueState(
+            dataset=q.ref.fingerprint,
+            num_records=q.ref.num_records,
+            seed=q.seed,
+            epoch=q.epoch,
+            num_epochs=q.num_epochs,
+            shuffle=q.shuffle,
+            block_window=q.block_window,
+            num_slices=q.num_slices,
+            consumed=tuple((e, _union(merged[e])) for e in sorted(merged)),
+        )
+
+
+def lockstep(batches: Iterable[Any], any_rank_has_data: Callable[[bool], bool]) -> Iterator[Any]:
+    """Yield batches while any rank still has one, ``None`` where this rank has none.
+
+    Workers of a queue end an epoch after different numbers of steps; in
+    synchronous training the ranks that ran out must keep joining the
+    collective operations until every rank is done, or the others hang.
+    ``any_rank_has_data(flag)`` is the one collective per step (for example a
+    max all-reduce of ``flag`` across ranks). A ``None`` step should run the
+    training step with zero weight (or call ``hvd.join()`` once and stop).
+    """
+    it = iter(batches)
+    exhausted = False
+    while True:
+        batch = None if exhausted else next(it, None)
+        exhausted = batch is None
+        if not any_rank_has_data(batch is not None):
+            return
+        yield batch
