@@ -6,7 +6,6 @@ PIP := $(PY) -m pip
 STAMP_RUN := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 S3RVER := tests/s3rver/node_modules/.installed
-STAMP_BENCH := $(VENV)/.installed-bench
 
 .PHONY: demo test lint typecheck unit bench horovod clean
 
@@ -18,8 +17,9 @@ $(STAMP_RUN): pyproject.toml yogastore/_gather.c | $(PY)
 	$(PIP) install -q -e '.[tf,s3]'
 	touch $@
 
+# The tests run the benchmark on a tiny size, its peers (Grain, ArrayRecord) included.
 $(STAMP_TEST): pyproject.toml $(STAMP_RUN)
-	$(PIP) install -q -e '.[tf,s3,test]'
+	$(PIP) install -q -e '.[tf,s3,test,bench]'
 	touch $@
 
 demo: $(STAMP_RUN)
@@ -46,11 +46,7 @@ unit: $(STAMP_TEST) $(S3RVER)
 
 test: $(STAMP_TEST) horovod lint typecheck unit
 
-$(STAMP_BENCH): pyproject.toml $(STAMP_TEST)
-	$(PIP) install -q -e '.[tf,s3,test,bench]'
-	touch $@
-
-bench: $(STAMP_BENCH)
+bench: $(STAMP_TEST)
 	$(PY) -m benchmarks.read_throughput $(BENCH_ARGS)
 
 clean:

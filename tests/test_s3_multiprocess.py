@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 import yogastore as y
+from yogastore.blocks import block_size
 from tests.backends.s3_support import (
     SPEC,
+    blob,
     build_worker,
     check_batch,
     counted_records,
@@ -128,6 +130,7 @@ def test_ranks_read_their_share_concurrently(bucket: str, tmp_path: Path) -> Non
         "ds", "1", lambda: records(n), spec=SPEC, progress=y.NullProgress()
     )
     share = ref.nbytes / num_shards
+    min_record_bytes = min(len(blob(i)) for i in range(n)) + 16
     queue = CTX.Queue()
     barrier = CTX.Barrier(num_shards)
     cache_root = str(tmp_path / "shared-cache")
@@ -143,7 +146,10 @@ def test_ranks_read_their_share_concurrently(bucket: str, tmp_path: Path) -> Non
         again = [r[f"{shuffle}-1"] for r in results]
         ratios = [s["bytes_fetched"] / share for s in first]
         print(f"{shuffle}: epoch 0 bytes fetched / share per rank {[round(x, 4) for x in ratios]}")
-        assert max(ratios) <= 1.1
+        # A global shuffle reads records one by one: each range widens to whole
+        # checksum blocks, on average about one block per record.
+        widen = 0.0 if shuffle == "block" else block_size(64 << 10) / min_record_bytes
+        assert max(ratios) <= 1.1 + widen
         for epoch in (first, again):
             ids = sorted(i for s in epoch for i in s["ids"])
             assert ids == list(range(n))  # no record lost or read twice

@@ -25,14 +25,33 @@ def records(n: int) -> list[dict[str, Any]]:
     return [{"x": np.full(256, i % 256, np.uint8)} for i in range(n)]
 
 
-def failing(n: int) -> Iterator[dict[str, Any]]:
-    yield from records(n)
-    raise OSError("the source broke")
+# Builds a version and is killed (SIGKILL) after writing a few chunks, as a
+# crashed builder would: chunks on disk, no manifest, nothing cleaned up.
+KILLED = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    import yogastore
+    def records():
+        for i in range(10_000):
+            if i == 300:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield {"x": np.full(256, i % 256, np.uint8)}
+    spec = {"x": yogastore.ComponentSpec(shape=(256,), dtype="uint8")}
+    store = yogastore.Store(sys.argv[1], chunk_bytes=4096)
+    store.cache(sys.argv[2], sys.argv[3], records, spec=spec, progress=yogastore.NullProgress())
+    """
+)
 
 
-def failed_build(store: yogastore.Store, dataset_id: str, version: str) -> None:
-    with pytest.raises(OSError, match="source broke"):
-        store.cache(dataset_id, version, lambda: failing(300), spec=SPEC)
+def killed_build(root: str | Path, dataset_id: str, version: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED, str(root), dataset_id, version],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr
 
 
 # Holds a version's build lock (as a builder does) until its stdin closes.
@@ -49,10 +68,10 @@ HOLDER = textwrap.dedent(
 )
 
 
-def test_delete_removes_a_failed_build(tmp_path: Path) -> None:
+def test_delete_removes_a_killed_build(tmp_path: Path) -> None:
     store = yogastore.Store(tmp_path, chunk_bytes=4096)
-    failed_build(store, "d", "1")
-    assert store.backend.list("d/1/"), "the failed build left chunks"
+    killed_build(tmp_path, "d", "1")
+    assert store.backend.list("d/1/"), "the killed build left chunks"
     assert store.list() == []
     store.delete("d", "1")
     assert not (tmp_path / "d" / "1").exists()
@@ -69,7 +88,7 @@ def test_delete_removes_a_failed_build(tmp_path: Path) -> None:
 
 def test_gc_removes_dead_builds_and_leaves_live_ones(tmp_path: Path) -> None:
     store = yogastore.Store(tmp_path, chunk_bytes=4096)
-    failed_build(store, "d", "2")  # dead build, no manifest
+    killed_build(tmp_path, "d", "2")  # dead build, no manifest
     good = store.cache("d", "1", lambda: records(40), spec=SPEC)
     store.backend.put("d/1/c-dead-build-000000", b"y" * 5000)  # a dead build's chunk
     holder = subprocess.Popen(
@@ -111,7 +130,7 @@ def test_cli_store_after_command_du_gc_info_delete(
     root = str(tmp_path / "s")
     store = yogastore.Store(root, chunk_bytes=4096)
     store.cache("d", "1", lambda: records(60), spec=SPEC)
-    failed_build(store, "d", "2")
+    killed_build(root, "d", "2")
     assert main(["list", "--store", root]) == 0
     assert capsys.readouterr().out.startswith("d\t1\t60 records")
     assert main(["info", "d", "1", "--store", root]) == 0

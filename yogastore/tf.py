@@ -284,8 +284,7 @@ def to_tf_dataset(
         # (A ragged_rank-0 component comes out of unbatching a batch, as in
         # the source; per element it would be a dense TensorSpec.)
         return _per_element_dataset(stream, schema)
-    if splittable(schema):
-        assert batch_size is not None
+    if batch_size is not None and splittable(schema):
         return _grouped_dataset(stream, schema, batch_size, drop_remainder)
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     static = size if (drop_remainder and not unbatch) else None
