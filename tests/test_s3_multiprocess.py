@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 import yogastore as y
-from yogastore.blocks import block_size
 from tests.backends.s3_support import (
     SPEC,
     blob,
@@ -32,6 +31,7 @@ from tests.backends.s3_support import (
     records,
     slow_builder,
 )
+from yogastore.blocks import block_size
 
 pytestmark = [pytest.mark.s3, pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
