@@ -21,6 +21,7 @@ from storage_backends.errors import (
     LockLostError,
     LockTimeoutError,
     StorageError,
+    YogaStoreError,
 )
 from yogastore.buildcheck import (
     BuildOptions,
@@ -424,15 +425,16 @@ class Store:
             max_records=max_records,
             max_bytes=max_bytes,
         )
-        if options.rebuild:
-            self._drop(dataset_id, version)
-        manifest = self._read_manifest(dataset_id, version)
+        manifest = None if options.rebuild else self._read_manifest(dataset_id, version)
         if manifest is not None:
             return self._hit(manifest, make_dataset, spec, options)
         with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
             manifest = self._read_manifest(dataset_id, version)
-            if manifest is not None:
+            if manifest is not None and not options.rebuild:
                 return self._hit(manifest, make_dataset, spec, options)
+            # rebuild=True: the committed version stays readable until the new
+            # build replaces its manifest; a failed rebuild leaves it as it was.
+            replaces = manifest
             # Keys left by a build that died before its manifest are never read
             # and are swept after the commit, not now: a holder whose lease ran
             # out unnoticed may still be writing, and deleting first could leave
@@ -454,6 +456,7 @@ class Store:
                     upload_workers=int(getattr(self.backend, "upload_workers", 1)),
                     build_id=build_id,
                     source_fingerprint=options.fingerprint,
+                    replace=replaces is not None,
                 )
             except (KeyExistsError, LockLostError) as err:
                 # Refused: another manifest is there, or another process took
@@ -469,7 +472,11 @@ class Store:
             except BaseException:
                 # Still the holder: our own chunks are nobody else's to read.
                 delete_build(self.backend, dataset_id, version, build_id)
+                if replaces is None:
+                    self._drop_uncommitted(dataset_id, version)
                 raise
+            if replaces is not None:
+                logger.info("%s: rebuilt, replacing build %s", manifest.where, replaces.build_id)
             self._sweep(manifest)
         return DatasetRef(self, manifest, element_spec)
 
@@ -505,14 +512,24 @@ class Store:
 
         return ytf.schema_from_element_spec(spec)
 
-    def _drop(self, dataset_id: str, version: str) -> None:
-        """Delete a committed version (for ``rebuild=True``); no-op when absent."""
-        prefix = f"{dataset_id}/{version}/"
-        with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
-            if self.backend.exists(prefix + MANIFEST):
-                logger.info("rebuilding dataset %r version %r", dataset_id, version)
-                self.backend.delete(prefix + MANIFEST)
-                self.backend.delete_prefix(prefix)
+    def _drop_uncommitted(self, dataset_id: str, version: str) -> None:
+        """After a failed build (lock held): free a local version that has no manifest.
+
+        On a local store the lock cannot be lost unnoticed, so whatever the
+        version holds is dead: its files go (an LMDB file never shrinks, and a
+        full disk must not stay full), and its lock file. On an object store
+        another builder may still be writing after a lease it lost: only this
+        build's chunks are deleted (above); ``gc`` removes the rest.
+        """
+        if getattr(self.backend, "remote", False):
+            return
+        name = f"{dataset_id}/{version}"
+        try:
+            if self._read_manifest(dataset_id, version) is None:
+                self.backend.delete_prefix(name + "/")
+                self.backend.delete_lock(name)
+        except YogaStoreError as err:
+            logger.warning("%s: could not remove the failed build's files: %s", name, err)
 
     def _winner(self, dataset_id: str, version: str) -> Manifest | None:
         """Return the manifest another builder committed when ours was refused."""
