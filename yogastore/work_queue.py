@@ -29,14 +29,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import itertools
 import json
 import logging
 import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from storage_backends.errors import (
@@ -44,9 +43,12 @@ from storage_backends.errors import (
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
+    YogaStoreError,
 )
+from yogastore import boundedjson
 from yogastore.assignment import Assignment, Span
 from yogastore.order import Interval, Shuffle, intervals_length, split_intervals
+from yogastore.queue_state import QueueStatus, WorkQueueState, complement, prefix, union
 from yogastore.stream import Stream
 
 if TYPE_CHECKING:
@@ -65,7 +67,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ROOT = ".queues"
-_STATE_VERSION = 1
 _KEY = re.compile(r"s(\d{1,9})\.(?:c(\d{1,9})(?:\.l(\d{1,15}))?|(done))")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,199}")
 _MAX_SLICES = 1_000_000
@@ -86,158 +87,6 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     if high is not None and value > high:
         raise InvalidArgumentError(f"{name} must be <= {high}, got {value!r}")
     return value
-
-
-def _union(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
-    out: list[Interval] = []
-    for a, b in sorted(i for i in intervals if i[0] < i[1]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return tuple(out)
-
-
-def _complement(intervals: Sequence[Interval], n: int) -> tuple[Interval, ...]:
-    out, last = [], 0
-    for a, b in _union(intervals):
-        if last < a:
-            out.append((last, a))
-        last = b
-    if last < n:
-        out.append((last, n))
-    return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class WorkQueueState:
-    """Which positions of which epochs a job's workers have consumed.
-
-    Take one per worker with ``QueueStream.state(consumed)`` at a checkpoint,
-    combine the workers' states with ``merge``, and start the job again with
-    ``ref.work_queue(job, resume=state)`` (any number of workers): nothing the
-    state counts as consumed is read again, everything else is.
-    """
-
-    dataset: str
-    num_records: int
-    seed: int
-    epoch: int
-    num_epochs: int
-    shuffle: Shuffle
-    block_window: int
-    num_slices: int
-    consumed: tuple[tuple[int, tuple[Interval, ...]], ...]
-
-    def __post_init__(self) -> None:
-        for name in ("num_records", "seed", "epoch", "num_epochs", "block_window", "num_slices"):
-            _check_int(f"state {name}", getattr(self, name), 0)
-        for e, intervals in self.consumed:
-            if not self.epoch <= e < self.epoch + self.num_epochs:
-                raise InvalidArgumentError(f"state names epoch {e} outside the job's epochs")
-            last = 0
-            for a, b in intervals:
-                if not last <= a < b <= self.num_records:
-                    raise InvalidArgumentError(
-                        f"state intervals {intervals} of epoch {e} are not sorted, disjoint "
-                        f"intervals within [0, {self.num_records})"
-                    )
-                last = b
-
-    def consumed_in(self, epoch: int) -> tuple[Interval, ...]:
-        """Return the consumed positions of ``epoch``."""
-        return dict(self.consumed).get(epoch, ())
-
-    @property
-    def remaining_records(self) -> int:
-        """Records of the job's epochs not consumed yet."""
-        done = sum(intervals_length(i) for _e, i in self.consumed)
-        return self.num_records * self.num_epochs - done
-
-    @classmethod
-    def merge(cls, states: Iterable[WorkQueueState]) -> WorkQueueState:
-        """Combine the states of all workers of one job (taken at one checkpoint).
-
-        Raises:
-            InvalidArgumentError: the states belong to different jobs or orders.
-        """
-        states = list(states)
-        if not states:
-            raise InvalidArgumentError("merge needs at least one state")
-        first = states[0]
-        for s in states[1:]:
-            if dataclasses.replace(s, consumed=()) != dataclasses.replace(first, consumed=()):
-                raise InvalidArgumentError(f"states of different jobs cannot merge: {s} vs {first}")
-        by_epoch: dict[int, list[Interval]] = {}
-        for s in states:
-            for e, intervals in s.consumed:
-                by_epoch.setdefault(e, []).extend(intervals)
-        consumed = tuple((e, _union(by_epoch[e])) for e in sorted(by_epoch))
-        return dataclasses.replace(first, consumed=tuple((e, i) for e, i in consumed if i))
-
-    def to_json(self) -> str:
-        """Return the state as a JSON string."""
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        doc["shuffle"] = self.shuffle.value
-        doc["consumed"] = [[e, [list(i) for i in ivs]] for e, ivs in self.consumed]
-        return json.dumps({"yogastore_queue_state": _STATE_VERSION, **doc}, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> WorkQueueState:
-        """Parse a state written by ``to_json``.
-
-        Raises:
-            InvalidArgumentError: the text is not a valid state.
-        """
-        if not isinstance(text, str | bytes) or len(text) > 64 << 20:
-            raise InvalidArgumentError("a work queue state is a JSON string of at most 64 MiB")
-        try:
-            doc = json.loads(text)
-            if not isinstance(doc, dict) or doc.get("yogastore_queue_state") != _STATE_VERSION:
-                raise ValueError("not a yogastore work queue state of a known version")
-            consumed = []
-            for e, ivs in doc["consumed"]:
-                pairs = [(a, b) for a, b in ivs]
-                if any(type(v) is not int for v in itertools.chain([e], *pairs)):
-                    raise ValueError("epochs and positions must be integers")
-                consumed.append((e, tuple(pairs)))
-            return cls(
-                dataset=str(doc["dataset"]),
-                num_records=doc["num_records"],
-                seed=doc["seed"],
-                epoch=doc["epoch"],
-                num_epochs=doc["num_epochs"],
-                shuffle=Shuffle(doc["shuffle"]),
-                block_window=doc["block_window"],
-                num_slices=doc["num_slices"],
-                consumed=tuple(consumed),
-            )
-        except (ValueError, KeyError, TypeError, RecursionError) as err:
-            raise InvalidArgumentError(f"invalid work queue state {text!r:.200}: {err}") from err
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class QueueStatus:
-    """A job's progress, from one listing of its keys per epoch.
-
-    ``workers`` maps each worker to the number of slices it completed;
-    ``claimed`` counts slices held under a live lease, ``expired`` those whose
-    holder stopped renewing (they are taken over by the next claim).
-    """
-
-    job: str
-    epochs: tuple[int, ...]
-    slices: int
-    done: int
-    claimed: int
-    expired: int
-    free: int
-    workers: dict[str, int]
-
-    @property
-    def finished(self) -> bool:
-        """Whether every slice of every epoch is done."""
-        return self.done == self.slices
 
 
 @dataclasses.dataclass(slots=True)
@@ -342,7 +191,7 @@ class WorkQueue:
         """Return the positions of ``epoch`` the job reads (all, or a resume's remainder)."""
         n = self.ref.num_records
         if self.resumed_from is not None:
-            return _complement(self.resumed_from.consumed_in(epoch), n)
+            return complement(self.resumed_from.consumed_in(epoch), n)
         return ((0, n),) if n else ()
 
     def slice_intervals(self, epoch: int, index: int) -> tuple[Interval, ...]:
@@ -362,11 +211,12 @@ class WorkQueue:
         try:
             self.backend.put_exclusive(key, doc)
         except KeyExistsError:
-            try:
-                stored = json.loads(bytes(self.backend.get(key)))
-            except (ValueError, RecursionError) as err:
-                raise CorruptCacheError(f"work queue record {key!r} is not valid JSON") from err
+            stored = self.read_json(key)
             if stored != self._params:
+                if not isinstance(stored, dict):
+                    raise CorruptCacheError(
+                        f"work queue record {key!r} is not a JSON object"
+                    ) from None
                 diff = sorted(
                     k
                     for k in set(stored) | set(self._params)
@@ -380,6 +230,12 @@ class WorkQueue:
                     "parameters; use a new job name or delete the old job"
                 ) from None
         self._checked = True
+
+    def read_json(self, key: str) -> Any:
+        """Return the JSON value stored under ``key`` (``CorruptCacheError`` if it is not)."""
+        return boundedjson.loads(
+            self.backend.get(key), f"work queue key {key!r}", CorruptCacheError
+        )
 
     def read_epoch(self, epoch: int) -> dict[int, _SliceState]:
         """Return the state of every slice of ``epoch`` that has keys, from one listing."""
@@ -409,11 +265,11 @@ class WorkQueue:
         """Return the first lease expiry (ms) written in a claim's value."""
         key = f"{self.prefix}e{epoch}/s{index:06d}.c{gen}"
         try:
-            doc = json.loads(bytes(self.backend.get(key)))
+            doc = self.read_json(key)
             return _check_int("expires_ms", doc["expires_ms"], 0)
         except KeyNotFoundError:
             return 0
-        except (ValueError, KeyError, TypeError, RecursionError) as err:
+        except (InvalidArgumentError, KeyError, TypeError) as err:
             raise CorruptCacheError(f"work queue claim {key!r} is not valid: {err}") from err
 
     def stream(self, worker: str, *, prefetch: int | None = None) -> QueueStream:
@@ -442,11 +298,10 @@ class WorkQueue:
                 if st.done:
                     done += 1
                     try:
-                        key = f"{self.prefix}e{e}/s{index:06d}.done"
-                        doc = json.loads(bytes(self.backend.get(key)))
+                        doc = self.read_json(f"{self.prefix}e{e}/s{index:06d}.done")
                         name = str(doc["worker"])
-                    except (ValueError, KeyError, TypeError, RecursionError):
-                        name = "?"
+                    except (YogaStoreError, KeyError, TypeError):
+                        name = "?"  # a damaged done marker still means done
                     workers[name] = workers.get(name, 0) + 1
                 elif st.gen >= 0:
                     expiry = st.expires_ms or self.claim_expiry(e, index, st.gen)
@@ -664,18 +519,10 @@ class QueueAssignment(Assignment):
             if count <= 0:
                 break
             n = intervals_length(piece.intervals)
-            part = piece.intervals if count >= n else tuple(_prefix(piece.intervals, count))
+            part = piece.intervals if count >= n else tuple(prefix(piece.intervals, count))
             out.setdefault(piece.epoch, []).extend(part)
             count -= n
         return out
-
-
-def _prefix(intervals: Sequence[Interval], count: int) -> Iterator[Interval]:
-    for a, b in intervals:
-        if count <= 0:
-            return
-        yield a, min(b, a + count)
-        count -= b - a
 
 
 class QueueStream(Stream):
@@ -761,7 +608,7 @@ class QueueStream(Stream):
             shuffle=q.shuffle,
             block_window=q.block_window,
             num_slices=q.num_slices,
-            consumed=tuple((e, _union(merged[e])) for e in sorted(merged)),
+            consumed=tuple((e, union(merged[e])) for e in sorted(merged)),
         )
 
 
