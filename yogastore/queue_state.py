@@ -17,7 +17,7 @@ from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.order import Interval, Shuffle, intervals_length
 
-__all__ = ["QueueStatus", "WorkQueueState", "complement", "prefix", "union"]
+__all__ = ["ListedSlice", "QueueStatus", "WorkQueueState", "complement", "prefix", "union"]
 
 _STATE_VERSION = 1
 _MAX_STATE_BYTES = 64 << 20
@@ -50,6 +50,15 @@ def complement(intervals: Sequence[Interval], n: int) -> tuple[Interval, ...]:
     if last < n:
         out.append((last, n))
     return tuple(out)
+
+
+@dataclasses.dataclass(slots=True)
+class ListedSlice:
+    """What one listing of a queue's keys says about one slice."""
+
+    gen: int = -1  # highest claim generation, -1: never claimed
+    expires_ms: int = 0  # latest lease expiry of that generation, 0: unknown
+    done: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
