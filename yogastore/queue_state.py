@@ -17,7 +17,16 @@ from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.order import Interval, Shuffle, intervals_length
 
-__all__ = ["ListedSlice", "QueueStatus", "WorkQueueState", "complement", "prefix", "union"]
+__all__ = [
+    "EpochCounts",
+    "Lease",
+    "ListedSlice",
+    "QueueStatus",
+    "WorkQueueState",
+    "complement",
+    "prefix",
+    "union",
+]
 
 _STATE_VERSION = 1
 _MAX_STATE_BYTES = 64 << 20
@@ -169,22 +178,73 @@ class WorkQueueState:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class QueueStatus:
-    """A job's progress, from one listing of its keys per epoch.
+class EpochCounts:
+    """How many slices of one epoch are done, claimed (live lease), expired and free."""
 
-    ``workers`` maps each worker to the number of slices it completed;
-    ``claimed`` counts slices held under a live lease, ``expired`` those whose
-    holder stopped renewing (they are taken over by the next claim).
-    """
-
-    job: str
-    epochs: tuple[int, ...]
+    epoch: int
     slices: int
     done: int
     claimed: int
     expired: int
-    free: int
+
+    @property
+    def free(self) -> int:
+        """Slices nobody has claimed yet."""
+        return self.slices - self.done - self.claimed - self.expired
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Lease:
+    """An unfinished slice's claim: who holds it and until when (Unix ms)."""
+
+    epoch: int
+    index: int
+    worker: str
+    expires_ms: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class QueueStatus:
+    """A job run's progress, from one listing of its keys per epoch.
+
+    ``workers`` maps each worker to the number of slices it completed;
+    ``claimed`` counts slices held under a live lease, ``expired`` those whose
+    holder stopped renewing (they are taken over by the next claim);
+    ``leases`` lists the claims of unfinished slices, live and expired.
+    """
+
+    job: str
+    run: str
+    epochs: tuple[int, ...]
+    per_epoch: tuple[EpochCounts, ...]
     workers: dict[str, int]
+    leases: tuple[Lease, ...]
+    now_ms: int  # when the listing was taken, for judging the leases
+
+    @property
+    def slices(self) -> int:
+        """Slices of every epoch of the run (empty slices are not counted)."""
+        return sum(c.slices for c in self.per_epoch)
+
+    @property
+    def done(self) -> int:
+        """Slices whose records were all consumed."""
+        return sum(c.done for c in self.per_epoch)
+
+    @property
+    def claimed(self) -> int:
+        """Unfinished slices held under a live lease."""
+        return sum(c.claimed for c in self.per_epoch)
+
+    @property
+    def expired(self) -> int:
+        """Unfinished slices whose lease expired (the next claim takes them over)."""
+        return sum(c.expired for c in self.per_epoch)
+
+    @property
+    def free(self) -> int:
+        """Slices nobody has claimed yet."""
+        return sum(c.free for c in self.per_epoch)
 
     @property
     def finished(self) -> bool:

@@ -44,7 +44,15 @@ from storage_backends.errors import (
 from yogastore import boundedjson
 from yogastore.order import Interval, Shuffle, split_intervals
 from yogastore.queue_claims import QueueAssignment
-from yogastore.queue_state import ListedSlice, QueueStatus, WorkQueueState, complement, union
+from yogastore.queue_state import (
+    EpochCounts,
+    Lease,
+    ListedSlice,
+    QueueStatus,
+    WorkQueueState,
+    complement,
+    union,
+)
 from yogastore.stream import Stream
 
 if TYPE_CHECKING:
@@ -62,10 +70,26 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ROOT = ".queues"
+#: Top folder of every work queue's keys in a store.
+QUEUE_ROOT = ".queues"
 _KEY = re.compile(r"s(\d{1,9})\.(?:c(\d{1,9})(?:\.l(\d{1,15}))?|(done))")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,199}")
 _MAX_SLICES = 1_000_000
+
+
+def queue_prefix(
+    dataset_id: str | None = None,
+    version: str | None = None,
+    job: str | None = None,
+    run: str | None = None,
+) -> str:
+    """Return the key prefix of a store's queues, a version's, a job's or a run's."""
+    parts = [QUEUE_ROOT]
+    for part in (dataset_id, version, job, run):
+        if part is None:
+            break
+        parts.append(part)
+    return "/".join(parts) + "/"
 
 
 def _check_name(value: Any, what: str) -> str:
@@ -133,11 +157,11 @@ class WorkQueue:
             "block_window", template.block_window if block_window is None else block_window, 1
         )
         self.resumed_from = resume
-        run = "fresh"
+        self.run = "fresh"
         if resume is not None:
-            run = "r" + hashlib.sha256(resume.to_json().encode()).hexdigest()[:16]
-        self.prefix = f"{_ROOT}/{ref.dataset_id}/{ref.version}/{self.job}/{run}/"
-        self._params = {
+            self.run = "r" + hashlib.sha256(resume.to_json().encode()).hexdigest()[:16]
+        self.prefix = queue_prefix(ref.dataset_id, ref.version, self.job, self.run)
+        self._params: dict[str, Any] = {
             "dataset": ref.fingerprint,
             "num_records": ref.num_records,
             "num_slices": self.num_slices,
@@ -147,6 +171,9 @@ class WorkQueue:
             "num_epochs": self.num_epochs,
             "block_window": self.block_window,
         }
+        if resume is not None:
+            # Lets status and the command line rebuild this run from the store alone.
+            self._params["resume"] = resume.to_json()
         self._checked = False
 
     def __repr__(self) -> str:
@@ -242,12 +269,16 @@ class WorkQueue:
 
     def claim_expiry(self, epoch: int, index: int, gen: int) -> int:
         """Return the first lease expiry (ms) written in a claim's value."""
+        return self.claim_record(epoch, index, gen)[1]
+
+    def claim_record(self, epoch: int, index: int, gen: int) -> tuple[str, int]:
+        """Return the worker and first lease expiry (ms) of a claim ("", 0 if it is gone)."""
         key = f"{self.prefix}e{epoch}/s{index:06d}.c{gen}"
         try:
             doc = self.read_json(key)
-            return _check_int("expires_ms", doc["expires_ms"], 0)
+            return str(doc["worker"]), _check_int("expires_ms", doc["expires_ms"], 0)
         except KeyNotFoundError:
-            return 0
+            return "", 0
         except (InvalidArgumentError, KeyError, TypeError) as err:
             raise CorruptCacheError(f"work queue claim {key!r} is not valid: {err}") from err
 
@@ -263,19 +294,21 @@ class WorkQueue:
         return QueueStream(self, worker, prefetch=prefetch)
 
     def status(self) -> QueueStatus:
-        """Return the job's progress (one listing per epoch, one read per done slice)."""
+        """Return the job's progress: one listing per epoch, one read per done or claimed slice."""
         now = int(time.time() * 1000)
-        slices = done = claimed = expired = 0
         workers: dict[str, int] = {}
+        per_epoch = []
+        leases = []
         for e in self.epochs:
             states = self.read_epoch(e)
+            counts = dict.fromkeys(("slices", "done", "claimed", "expired"), 0)
             for index in range(self.num_slices):
                 if not self.slice_intervals(e, index):
                     continue
-                slices += 1
+                counts["slices"] += 1
                 st = states.get(index, ListedSlice())
                 if st.done:
-                    done += 1
+                    counts["done"] += 1
                     try:
                         doc = self.read_json(f"{self.prefix}e{e}/s{index:06d}.done")
                         name = str(doc["worker"])
@@ -283,26 +316,25 @@ class WorkQueue:
                         name = "?"  # a damaged done marker still means done
                     workers[name] = workers.get(name, 0) + 1
                 elif st.gen >= 0:
-                    expiry = st.expires_ms or self.claim_expiry(e, index, st.gen)
-                    if expiry > now:
-                        claimed += 1
-                    else:
-                        expired += 1
+                    holder, first = self.claim_record(e, index, st.gen)
+                    expiry = st.expires_ms or first
+                    live = expiry > now
+                    counts["claimed" if live else "expired"] += 1
+                    leases.append(Lease(epoch=e, index=index, worker=holder, expires_ms=expiry))
+            per_epoch.append(EpochCounts(epoch=e, **counts))
         return QueueStatus(
             job=self.job,
+            run=self.run,
             epochs=tuple(self.epochs),
-            slices=slices,
-            done=done,
-            claimed=claimed,
-            expired=expired,
-            free=slices - done - claimed - expired,
+            per_epoch=tuple(per_epoch),
             workers=workers,
+            leases=tuple(leases),
+            now_ms=now,
         )
 
     def delete(self) -> None:
         """Remove every key of this job (all runs: fresh and resumed)."""
-        job_prefix = self.prefix.rsplit("/", 2)[0] + "/"
-        self.backend.delete_prefix(job_prefix)
+        self.backend.delete_prefix(queue_prefix(self.ref.dataset_id, self.ref.version, self.job))
         self._checked = False
 
 
