@@ -142,6 +142,18 @@ def test_live_lease_is_not_taken(ref: y.DatasetRef) -> None:
     assert set(counts) == set(range(1000)) and set(counts.values()) == {1}
 
 
+def test_stream_without_wait_ends_while_another_holds_a_slice(ref: y.DatasetRef) -> None:
+    queue = ref.work_queue("j", num_slices=4, lease_seconds=30, shuffle=False)
+    holder = queue.stream("holder", prefetch=0)
+    it = holder.batches(10)
+    assert [int(i) for i in next(it)["id"]] == list(range(10))  # holds slice 0: [0, 250)
+    rest = ids_of(queue.stream("sync", wait=False))  # would wait 30 s for slice 0 otherwise
+    assert sorted(rest) == list(range(250, 1000))
+    assert queue.status().claimed == 1
+    assert len([i for b in it for i in b["id"]]) == 240
+    assert queue.status().finished
+
+
 def test_resume_from_a_checkpoint_with_fewer_workers(ref: y.DatasetRef) -> None:
     queue = ref.work_queue("j", num_slices=16, seed=9, num_epochs=2)
     streams = [queue.stream(f"w{r}", prefetch=0) for r in range(4)]

@@ -282,16 +282,23 @@ class WorkQueue:
         except (InvalidArgumentError, KeyError, TypeError) as err:
             raise CorruptCacheError(f"work queue claim {key!r} is not valid: {err}") from err
 
-    def stream(self, worker: str, *, prefetch: int | None = None) -> QueueStream:
+    def stream(self, worker: str, *, prefetch: int | None = None, wait: bool = True) -> QueueStream:
         """Return the stream of records this worker claims from the queue.
 
         Args:
             worker: a name for this worker (shown by ``status``), e.g. ``host3-rank1``.
             prefetch: batches read ahead on a background thread, as for ``stream``.
+            wait: when no slice is free, wait while other workers hold the last
+                ones and take over any whose lease expires (so a dead worker's
+                slice is still read). Pass ``False`` in synchronous training:
+                there a rank waiting for another's slice would block that
+                rank's collectives, and a dead rank stops the job anyway.
         """
         _check_name(worker, "worker name")
+        if not isinstance(wait, bool):
+            raise InvalidArgumentError(f"wait must be True or False, got {wait!r}")
         self.check_job()
-        return QueueStream(self, worker, prefetch=prefetch)
+        return QueueStream(self, worker, prefetch=prefetch, wait=wait)
 
     def status(self) -> QueueStatus:
         """Return the job's progress: one listing per epoch, one read per done or claimed slice."""
@@ -341,9 +348,12 @@ class WorkQueue:
 class QueueStream(Stream):
     """A worker's records from a ``WorkQueue``. Build it with ``WorkQueue.stream``."""
 
-    def __init__(self, queue: WorkQueue, worker: str, *, prefetch: int | None = None) -> None:
+    def __init__(
+        self, queue: WorkQueue, worker: str, *, prefetch: int | None = None, wait: bool = True
+    ) -> None:
         self.queue = queue
         self.worker = worker
+        self.wait = wait
         self.claims = QueueAssignment(queue, worker)
         super().__init__(
             queue.ref,
@@ -382,14 +392,15 @@ class QueueStream(Stream):
         """Yield column batches of claimed slices until every slice of the job is done.
 
         A round reads slices while any is free. When none is, everything this
-        worker claimed has been handed out; it then waits while other workers
-        hold the last slices, and reads on if one of their leases expires.
+        worker claimed has been handed out; it then waits (unless built with
+        ``wait=False``) while other workers hold the last slices, and reads on
+        if one of their leases expires.
         """
         try:
             while True:
                 yield from super().column_batches(batch_size, drop_remainder)
                 self.claims.finish_all()
-                if not self.claims.wait_for_work():
+                if not self.wait or not self.claims.wait_for_work():
                     return
         finally:
             self.claims.close()
@@ -434,6 +445,8 @@ def lockstep(batches: Iterable[Any], any_rank_has_data: Callable[[bool], bool]) 
     ``any_rank_has_data(flag)`` is the one collective per step (for example a
     max all-reduce of ``flag`` across ranks). A ``None`` step should run the
     training step with zero weight (or call ``hvd.join()`` once and stop).
+    Read the queue with ``queue.stream(worker, wait=False)``: a rank must not
+    wait for a slice another rank holds while that rank waits in a collective.
     """
     it = iter(batches)
     exhausted = False
