@@ -9,7 +9,6 @@ is described in ``work_queue``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -180,9 +179,11 @@ class QueueAssignment(Assignment):
             "gen": piece.gen,
             "records": intervals_length(piece.intervals),
         }
-        # KeyExistsError: a takeover finished it too; the records were read twice.
-        with contextlib.suppress(KeyExistsError):
-            q.backend.put_exclusive(key, json.dumps(doc).encode())
+        # A plain put: only the marker's presence decides anything, so a second
+        # finisher (a takeover of a slice whose holder was slow, not dead) may
+        # overwrite it, and the put skips the syncs of an exclusive put (on a
+        # local store two fsyncs, most of a claim's cost).
+        q.backend.put(key, json.dumps(doc).encode())
         if piece.lease_key is not None:
             q.backend.delete(piece.lease_key)
             piece.lease_key = None

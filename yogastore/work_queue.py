@@ -20,8 +20,9 @@ or a digest of the resume state the job started from):
 * ``e<epoch>/s<slice>.done``: the slice's records were all consumed.
 
 Every state the queue needs is read from one listing per claim, so a store
-whose reads may serve an older snapshot of a value is still safe: only keys
-that never change after creation are ever read.
+whose reads may serve an older snapshot of a value is still safe: the values
+read (``job.json``, a claim's first expiry) never change after creation; a
+done marker counts by its presence (``status`` shows its worker).
 """
 
 from __future__ import annotations
