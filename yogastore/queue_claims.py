@@ -47,7 +47,8 @@ class QueueAssignment(Assignment):
     def __init__(self, queue: WorkQueue, worker: str, *, poll_seconds: float | None = None) -> None:
         self.queue = queue
         self.worker = worker
-        self.poll = poll_seconds if poll_seconds is not None else min(1.0, queue.lease_seconds / 4)
+        # A waiting worker learns that the job ended at its next poll (one listing).
+        self.poll = poll_seconds if poll_seconds is not None else min(0.25, queue.lease_seconds / 4)
         self._mutex = threading.Lock()
         self._held: deque[_Slice] = deque()  # claimed, not all consumed, in reading order
         self._taken: list[_Slice] = []  # every slice handed out, in reading order
