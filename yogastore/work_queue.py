@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -68,8 +67,6 @@ __all__ = [
     "WorkQueueState",
     "lockstep",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: Top folder of every work queue's keys in a store.
 QUEUE_ROOT = ".queues"
