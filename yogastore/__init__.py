@@ -27,10 +27,17 @@ from storage_backends.s3_options import Coordination
 from yogastore.format import StringBuffer, StringFormat
 from yogastore.order import Shuffle
 from yogastore.progress import NullProgress, Progress
+from yogastore.queue_jobs import (
+    QueueJob,
+    QueueJobNotFoundError,
+    delete_queue_jobs,
+    list_queue_jobs,
+    open_queue_runs,
+)
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
 from yogastore.store import DatasetInfo, DatasetRef, GcEntry, Store
 from yogastore.stream import Stream, StreamState
-from yogastore.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState
+from yogastore.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState, lockstep
 
 __version__ = "0.1.0"
 
@@ -52,6 +59,8 @@ __all__ = [
     "LockTimeoutError",
     "NullProgress",
     "Progress",
+    "QueueJob",
+    "QueueJobNotFoundError",
     "QueueStatus",
     "QueueStream",
     "RaggedValue",
@@ -71,4 +80,8 @@ __all__ = [
     "WorkQueueState",
     "YogaStoreError",
     "__version__",
+    "delete_queue_jobs",
+    "list_queue_jobs",
+    "lockstep",
+    "open_queue_runs",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``yogastore {list,info,verify,delete,du,gc} [--store URL]``.
+"""Command line: ``yogastore {list,info,verify,delete,du,gc,queue} [--store URL]``.
 
 Also ``python -m yogastore``. Every failure is one ``error:`` line on stderr
 and exit code 1; ``verify`` exits 1 when any chunk is damaged, after naming
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from storage_backends.errors import CorruptCacheError, KeyNotFoundError, YogaStoreError
+from yogastore.cli_queue import add_queue_parser, run_queue
 from yogastore.format import ChunkView
 from yogastore.reader import verify_once
 from yogastore.store import Store
@@ -121,6 +122,8 @@ def _run(args: argparse.Namespace) -> int:
             )
         print(f"gc: {len(removed)} versions cleaned")
         return 0
+    if args.command == "queue":
+        return run_queue(store, args)
     if args.command == "info":
         return _info(store, args.dataset_id, args.version)
     if args.command == "verify":
@@ -150,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if with_version:
             cmd.add_argument("dataset_id")
             cmd.add_argument("version")
+    add_queue_parser(sub, store_help)
     args = parser.parse_args(argv)
     try:
         return _run(args)

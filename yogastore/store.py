@@ -648,12 +648,15 @@ class Store:
 
         The manifest goes first (readers never see half a dataset), then the
         chunks of every build of it, committed or not, then its directory and
-        lock. Waits for a build in progress (up to ``lock_timeout``).
+        lock, and last the keys of its work queue jobs. Waits for a build in
+        progress (up to ``lock_timeout``).
 
         Raises:
             DatasetNotFoundError: nothing of that version is in the store.
             LockTimeoutError: a build kept the lock past ``lock_timeout``.
         """
+        from yogastore.work_queue import queue_prefix
+
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
         prefix = f"{dataset_id}/{version}/"
@@ -664,7 +667,11 @@ class Store:
                 self.backend.delete(prefix + MANIFEST)
             self.backend.delete_prefix(prefix)
             self.backend.delete_lock(name)
-        if not keys:
+        queues = queue_prefix(dataset_id, version)
+        queue_keys = self.backend.list(queues)
+        if queue_keys:
+            self.backend.delete_prefix(queues)
+        if not keys and not queue_keys:
             raise DatasetNotFoundError(
                 f"no dataset {dataset_id!r} version {version!r} in {self.url}"
             )
