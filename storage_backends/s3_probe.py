@@ -26,7 +26,7 @@ from storage_backends.errors import CoordinationError, KeyExistsError, StorageEr
 if TYPE_CHECKING:
     from storage_backends.s3_backend import S3Backend
 
-__all__ = ["check_conditional_writes", "probe_conditional_writes"]
+__all__ = ["check_conditional_writes", "conditional_writes_verdict", "probe_conditional_writes"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,10 @@ def probe_conditional_writes(backend: S3Backend) -> str | None:
     return "; ".join(failures) or None
 
 
-def check_conditional_writes(backend: S3Backend) -> None:
-    """Probe once per endpoint and bucket; raise if conditional writes are not enforced.
+def conditional_writes_verdict(backend: S3Backend) -> str | None:
+    """Probe once per endpoint and bucket; return ``None`` if enforced, else what failed.
 
     Raises:
-        CoordinationError: the store ignores ``If-None-Match`` or ``If-Match``;
-            the message names the endpoint and the single-writer way out.
         StorageError: the probe itself failed (it is tried again next time).
     """
     where = (backend.endpoint_url or "aws", backend.bucket)
@@ -75,6 +73,18 @@ def check_conditional_writes(backend: S3Backend) -> None:
             _VERDICTS[where] = verdict
         if verdict is None:
             logger.debug("%s enforces conditional writes", backend.where)
+    return verdict
+
+
+def check_conditional_writes(backend: S3Backend) -> None:
+    """Probe once per endpoint and bucket; raise if conditional writes are not enforced.
+
+    Raises:
+        CoordinationError: the store ignores ``If-None-Match`` or ``If-Match``;
+            the message names the endpoint and the single-writer way out.
+        StorageError: the probe itself failed (it is tried again next time).
+    """
+    verdict = conditional_writes_verdict(backend)
     if verdict is not None:
         raise CoordinationError(
             errno.ENOTSUP,

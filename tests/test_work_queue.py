@@ -134,8 +134,10 @@ def test_live_lease_is_not_taken(ref: y.DatasetRef) -> None:
     results: list[int] = []
     t = threading.Thread(target=lambda: results.extend(ids_of(other)))
     t.start()
-    time.sleep(2.5)  # several lease periods: the renewer keeps the claim alive
-    rest = [int(i) for b in it for i in b["id"]]
+    rest: list[int] = []
+    for batch in it:  # slow steps for several lease periods: the renewer keeps the claim
+        time.sleep(0.25)
+        rest += [int(i) for i in batch["id"]]
     t.join(30)
     assert other.claims.takeovers == 0
     counts = collections.Counter(first + rest + results)

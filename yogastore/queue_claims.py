@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from storage_backends.errors import KeyExistsError
 from yogastore.assignment import Assignment, Span
 from yogastore.order import Interval, intervals_length
+from yogastore.queue_files import close_if_sole_user
 from yogastore.queue_state import prefix
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class _Slice:
     gen: int = 0
     lease_key: str | None = None
     left: int = 0  # records the consumer has still to take
+    lost: bool = False  # another worker took it over while this one stalled
 
 
 class QueueAssignment(Assignment):
@@ -56,8 +58,11 @@ class QueueAssignment(Assignment):
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._stash: _Slice | None = None  # claimed by wait_for_work, read next
+        self._progress = time.monotonic()  # when the consumer last took a record
+        self._paused = False  # leases not renewed: no progress for lease_seconds
         self.claims = 0  # successful claims (statistics)
         self.takeovers = 0
+        self.lost = 0  # held slices taken over by another worker during a stall
 
     # Claims ------------------------------------------------------------------------
 
@@ -124,6 +129,7 @@ class QueueAssignment(Assignment):
                 pending = True  # someone else won it just now
             if not pending:
                 self._complete.add(e)
+                close_if_sole_user(q.backend, q.prefix, f"e{e}")
             waiting = waiting or pending
         return None, waiting
 
@@ -161,12 +167,50 @@ class QueueAssignment(Assignment):
         if old is not None and old != key:
             q.backend.delete(old)
 
-    def _renew_loop(self) -> None:
-        interval = self.queue.lease_seconds / 3
-        while not self._stop.wait(interval):
-            with self._mutex:
-                held = list(self._held)
+    def _check_lost(self, held: list[_Slice]) -> None:
+        """After a stall: find the held slices another worker took over meanwhile."""
+        q = self.queue
+        for e in sorted({p.epoch for p in held}):
+            states = q.read_epoch(e)
             for piece in held:
+                st = states.get(piece.index)
+                if piece.epoch == e and st is not None and st.gen > piece.gen:
+                    piece.lost = True
+                    self.lost += 1
+                    logger.warning(
+                        "worker %s stalled past its lease: slice %d of epoch %d of job %s "
+                        "was taken over by another worker and is read twice",
+                        self.worker,
+                        piece.index,
+                        e,
+                        q.job,
+                    )
+
+    def _resume(self) -> None:
+        """On progress after a stall: find what was lost; renewing goes on."""
+        with self._mutex:
+            was, self._paused = self._paused, False
+            held = [p for p in self._held if not p.lost]
+        if was and held:
+            try:
+                self._check_lost(held)
+            except Exception as err:  # a failed listing must not stop the reading
+                logger.warning("checking the leases of worker %s failed: %s", self.worker, err)
+
+    def _renew_loop(self) -> None:
+        lease = self.queue.lease_seconds
+        while not self._stop.wait(lease / 3):
+            with self._mutex:
+                held = [p for p in self._held if not p.lost]
+            if time.monotonic() - self._progress > lease:
+                # The consumer took nothing for a whole lease (a hung step): let
+                # the leases lapse so other workers can take the slices over.
+                self._paused = True
+                continue
+            self._resume()
+            for piece in held:
+                if piece.lost:
+                    continue
                 try:
                     self._renew(piece)
                 except Exception as err:  # retried next round
@@ -194,6 +238,7 @@ class QueueAssignment(Assignment):
     def spans(self) -> Iterator[Span]:
         if self._renewer is None or not self._renewer.is_alive():
             self._stop.clear()
+            self._progress = time.monotonic()
             self._renewer = threading.Thread(
                 target=self._renew_loop, name="yogastore-lease", daemon=True
             )
@@ -207,9 +252,14 @@ class QueueAssignment(Assignment):
             with self._mutex:
                 self._held.append(piece)
                 self._taken.append(piece)
+            self._progress = time.monotonic()
             yield piece.epoch - self.queue.epoch, piece.intervals
 
     def consume(self, count: int) -> None:
+        if count > 0:
+            self._progress = time.monotonic()
+            if self._paused:
+                self._resume()
         while count > 0:
             with self._mutex:
                 if not self._held:
@@ -225,7 +275,11 @@ class QueueAssignment(Assignment):
                 self._finish(piece)
 
     def close(self) -> None:
+        """Stop renewing leases (and wait for the renewing thread to stop writing)."""
         self._stop.set()
+        renewer = self._renewer
+        if renewer is not None and renewer is not threading.current_thread():
+            renewer.join(self.queue.lease_seconds)
 
     def consumed(self, count: int) -> dict[int, list[Interval]]:
         """Return the positions per epoch of the first ``count`` records handed out."""

@@ -114,6 +114,7 @@ def _open_run(ref: DatasetRef, job: str, run: str) -> WorkQueue:
             num_epochs=doc["num_epochs"],
             block_window=doc["block_window"],
             resume=doc.get("resume"),
+            attempt=doc.get("attempt", ""),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptCacheError(f"work queue record {key!r} is not valid: {err}") from err

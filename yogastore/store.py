@@ -214,6 +214,7 @@ class DatasetRef:
         lease_seconds: float = 30.0,
         block_window: int | None = None,
         resume: WorkQueueState | str | None = None,
+        attempt: str = "",
     ) -> WorkQueue:
         """Return job ``job``'s dynamic work queue over this dataset.
 
@@ -225,6 +226,13 @@ class DatasetRef:
         again whole by another. Every worker of a job must pass the same
         arguments. ``resume`` (a merged ``WorkQueueState``) continues a job
         from a checkpoint; its ordering arguments replace the others.
+
+        A run of a job is identified by (``job``, resume state, ``attempt``).
+        Workers of one start of a job pass the same ``attempt``; a restart
+        after a crash (fresh or from a checkpoint) must pass a new one (e.g.
+        the launcher's run id or restart count), or call ``queue.delete()``
+        first: otherwise it joins the earlier start's progress, and the slices
+        that start marked done or still holds are not read again.
 
         Raises:
             InvalidArgumentError: an argument is out of range.
@@ -242,6 +250,7 @@ class DatasetRef:
             lease_seconds=lease_seconds,
             block_window=block_window,
             resume=resume,
+            attempt=attempt,
         )
 
     def resume(

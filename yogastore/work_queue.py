@@ -9,7 +9,8 @@ slice claimed until the lease expires; any worker then takes it over and reads
 it whole. No server: the store's exclusive put is the only coordination.
 
 Keys, under ``.queues/<dataset>/<version>/<job>/<run>/`` (``run`` is ``fresh``
-or a digest of the resume state the job started from):
+or a digest of the resume state the job started from, followed by
+``-a<digest of the attempt>`` when the job was started with an ``attempt``):
 
 * ``job.json``: the job's parameters, created once; workers that disagree fail.
 * ``e<epoch>/s<slice>.c<gen>``: claim generation ``gen`` (exclusive put; a
@@ -27,14 +28,17 @@ done marker counts by its presence (``status`` shows its worker).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from storage_backends.errors import (
+    CoordinationError,
     CorruptCacheError,
     InvalidArgumentError,
     KeyExistsError,
@@ -44,6 +48,7 @@ from storage_backends.errors import (
 from yogastore import boundedjson
 from yogastore.order import Interval, Shuffle, split_intervals
 from yogastore.queue_claims import QueueAssignment
+from yogastore.queue_files import using
 from yogastore.queue_state import (
     EpochCounts,
     Lease,
@@ -107,6 +112,30 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return value
 
 
+def check_exclusive_puts(backend: Any) -> None:
+    """Refuse an object store that does not enforce ``If-None-Match`` (claims rest on it).
+
+    Raises:
+        CoordinationError: the store ignores conditional writes.
+    """
+    s3 = sys.modules.get("storage_backends.s3_backend")
+    if s3 is None or not isinstance(backend, s3.S3Backend):
+        return  # the local store's exclusive put is enforced by its write lock
+    from storage_backends.s3_probe import conditional_writes_verdict
+
+    verdict = conditional_writes_verdict(backend)
+    if verdict is not None:
+        raise CoordinationError(
+            errno.ENOTSUP,
+            f"refusing to claim work queue slices in {backend.where}: the store at "
+            f"{backend.endpoint_url or 'AWS S3'} does not enforce conditional writes "
+            f"({verdict}), so two workers could claim the same slice and read it twice; "
+            "coordination='single-writer' does not make a queue safe (its workers all "
+            "write claims); use a store that enforces If-None-Match (AWS S3, MinIO), "
+            "a local store, or rank-sharded streams (DatasetRef.stream)",
+        )
+
+
 class WorkQueue:
     """A job's queue of slices over a dataset. Build it with ``DatasetRef.work_queue``."""
 
@@ -123,9 +152,11 @@ class WorkQueue:
         lease_seconds: float = 30.0,
         block_window: int | None = None,
         resume: WorkQueueState | str | None = None,
+        attempt: str = "",
     ) -> None:
         self.ref = ref
         self.job = _check_name(job, "job name")
+        self.attempt = "" if attempt == "" else _check_name(attempt, "attempt")
         if isinstance(resume, str | bytes):
             resume = WorkQueueState.from_json(resume)
         if resume is not None:
@@ -158,6 +189,11 @@ class WorkQueue:
         self.run = "fresh"
         if resume is not None:
             self.run = "r" + hashlib.sha256(resume.to_json().encode()).hexdigest()[:16]
+        if self.attempt:
+            # One start of the job: a restart with a new attempt never joins
+            # an earlier start's claims and done slices.
+            digest = hashlib.sha256(self.attempt.encode()).hexdigest()[:16]
+            self.run += "-a" + digest
         self.prefix = queue_prefix(ref.dataset_id, ref.version, self.job, self.run)
         self._params: dict[str, Any] = {
             "dataset": ref.fingerprint,
@@ -169,6 +205,8 @@ class WorkQueue:
             "num_epochs": self.num_epochs,
             "block_window": self.block_window,
         }
+        if self.attempt:
+            self._params["attempt"] = self.attempt
         if resume is not None:
             # Lets status and the command line rebuild this run from the store alone.
             self._params["resume"] = resume.to_json()
@@ -205,11 +243,16 @@ class WorkQueue:
     def check_job(self) -> None:
         """Create the job's parameter record, or check it matches this queue's.
 
+        On an object store, first check (once per endpoint and bucket) that
+        it enforces the conditional writes claims rest on.
+
         Raises:
             InvalidArgumentError: the job exists with other parameters.
+            CoordinationError: the store ignores conditional writes.
         """
         if self._checked:
             return
+        check_exclusive_puts(self.backend)
         key = self.prefix + "job.json"
         doc = json.dumps(self._params, sort_keys=True).encode()
         try:
@@ -300,6 +343,10 @@ class WorkQueue:
 
     def status(self) -> QueueStatus:
         """Return the job's progress: one listing per epoch, one read per done or claimed slice."""
+        with using(self.backend, self.prefix):
+            return self._status()
+
+    def _status(self) -> QueueStatus:
         now = int(time.time() * 1000)
         workers: dict[str, int] = {}
         per_epoch = []
@@ -394,14 +441,15 @@ class QueueStream(Stream):
         ``wait=False``) while other workers hold the last slices, and reads on
         if one of their leases expires.
         """
-        try:
-            while True:
-                yield from super().column_batches(batch_size, drop_remainder)
-                self.claims.finish_all()
-                if not self.wait or not self.claims.wait_for_work():
-                    return
-        finally:
-            self.claims.close()
+        with using(self.queue.backend, self.queue.prefix):
+            try:
+                while True:
+                    yield from super().column_batches(batch_size, drop_remainder)
+                    self.claims.finish_all()
+                    if not self.wait or not self.claims.wait_for_work():
+                        return
+            finally:
+                self.claims.close()
 
     def state(self, consumed: int) -> WorkQueueState:  # type: ignore[override]
         """Return this worker's part of the job's position after ``consumed`` records.
