@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Generator
@@ -15,6 +16,7 @@ from storage_backends import s3_probe
 from tests.backends.s3_support import create_bucket, fake_credentials
 from tests.backends.s3rver_support import s3rver
 from tests.queue_support import SPEC, build, id_records
+from yogastore.cli import main
 
 
 def ids_of(stream: Any) -> list[int]:
@@ -136,3 +138,44 @@ def test_a_hung_consumer_stops_renewing_and_learns_it_lost_its_slice(ref: y.Data
     assert hung.claims.lost == 1
     assert sorted(first + rest) == list(range(50))
     assert queue.status().finished
+
+
+def test_status_of_a_long_job_costs_what_its_started_epochs_cost(
+    ref: y.DatasetRef, capsys: pytest.CaptureFixture[str]
+) -> None:
+    queue = ref.work_queue("long", num_slices=4, num_epochs=1_000_000, shuffle=False)
+    it = queue.stream("w", prefetch=0).batches(50)
+    for _ in range(6):  # epoch 0 done, slice 0 of epoch 1 done (consumed on the next step)
+        next(it)
+    listings: list[str] = []
+    backend = ref.store.backend
+    original = backend.list
+
+    def counted(prefix: str = "") -> Any:
+        listings.append(prefix)
+        return original(prefix)
+
+    backend.list = counted  # type: ignore[method-assign]
+    try:
+        status = queue.status()
+    finally:
+        del backend.list
+    assert len(listings) == 1  # one listing of the run, not one per epoch
+    assert [(c.epoch, c.done) for c in status.per_epoch] == [(0, 4), (1, 1)]
+    assert (status.idle_epochs, status.idle_slices) == (999_998, 4 * 999_998)
+    assert (status.slices, status.done) == (4_000_000, 5)
+    assert main(["queue", "status", "d", "1", "long", "--store", ref.store.url]) == 0
+    assert "999998 epochs not started: 3999992 slices, all free" in capsys.readouterr().out
+
+
+def test_num_epochs_is_bounded_also_in_a_stored_job(ref: y.DatasetRef) -> None:
+    with pytest.raises(y.InvalidArgumentError, match="num_epochs"):
+        ref.work_queue("j", num_epochs=1_000_001)
+    queue = ref.work_queue("j", num_epochs=2)
+    queue.check_job()
+    key = queue.prefix + "job.json"
+    doc = json.loads(bytes(ref.store.backend.get(key)))
+    doc["num_epochs"] = 10**9
+    ref.store.backend.put(key, json.dumps(doc).encode())
+    with pytest.raises(y.CorruptCacheError, match="num_epochs"):
+        y.open_queue_runs(ref, "j")

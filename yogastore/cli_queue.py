@@ -1,7 +1,8 @@
 """Command line for work queue jobs: ``yogastore queue {list,status,delete}``.
 
-``status`` prints one line per run, one per epoch (slices done, claimed,
-expired, free), the workers' completed slices and every unfinished claim;
+``status`` prints one line per run, one per epoch with keys (slices done,
+claimed, expired, free), one for the epochs not started yet, the workers'
+completed slices and every unfinished claim;
 ``delete`` removes a job's keys (``--finished``: only when every run is done).
 """
 
@@ -49,6 +50,8 @@ def _print_status(status: QueueStatus) -> None:
             f"  epoch {c.epoch}: {c.slices} slices, {c.done} done, {c.claimed} claimed, "
             f"{c.expired} expired, {c.free} free"
         )
+    if status.idle_epochs:
+        print(f"  {status.idle_epochs} epochs not started: {status.idle_slices} slices, all free")
     for worker, count in sorted(status.workers.items()):
         print(f"  worker {worker}: {count} slices done")
     for lease in status.leases:

@@ -205,7 +205,7 @@ class Lease:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class QueueStatus:
-    """A job run's progress, from one listing of its keys per epoch.
+    """A job run's progress, from one listing of its keys.
 
     ``workers`` maps each worker to the number of slices it completed;
     ``claimed`` counts slices held under a live lease, ``expired`` those whose
@@ -215,16 +215,18 @@ class QueueStatus:
 
     job: str
     run: str
-    epochs: tuple[int, ...]
-    per_epoch: tuple[EpochCounts, ...]
+    epochs: range
+    per_epoch: tuple[EpochCounts, ...]  # epochs with keys (or cut down by a resume)
     workers: dict[str, int]
     leases: tuple[Lease, ...]
     now_ms: int  # when the listing was taken, for judging the leases
+    idle_epochs: int = 0  # the other epochs: no key yet, every slice free
+    idle_slices: int = 0  # their slices
 
     @property
     def slices(self) -> int:
         """Slices of every epoch of the run (empty slices are not counted)."""
-        return sum(c.slices for c in self.per_epoch)
+        return sum(c.slices for c in self.per_epoch) + self.idle_slices
 
     @property
     def done(self) -> int:
@@ -244,7 +246,7 @@ class QueueStatus:
     @property
     def free(self) -> int:
         """Slices nobody has claimed yet."""
-        return sum(c.free for c in self.per_epoch)
+        return sum(c.free for c in self.per_epoch) + self.idle_slices
 
     @property
     def finished(self) -> bool:

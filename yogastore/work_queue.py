@@ -78,6 +78,8 @@ QUEUE_ROOT = ".queues"
 _KEY = re.compile(r"s(\d{1,9})\.(?:c(\d{1,9})(?:\.l(\d{1,15}))?|(done))")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,199}")
 _MAX_SLICES = 1_000_000
+_MAX_EPOCHS = 1_000_000
+_EPOCH_DIR = re.compile(r"e(\d{1,20})")
 
 
 def queue_prefix(
@@ -136,6 +138,26 @@ def check_exclusive_puts(backend: Any) -> None:
         )
 
 
+def _note_key(states: dict[int, ListedSlice], name: str) -> None:
+    """Add what the key ``name`` (relative to its epoch's folder) says to ``states``."""
+    m = _KEY.fullmatch(name)
+    if m is None:
+        return  # not ours; never fatal
+    st = states.setdefault(int(m.group(1)), ListedSlice())
+    if m.group(4):
+        st.done = True
+    elif m.group(3) is not None:
+        gen, ms = int(m.group(2)), int(m.group(3))
+        if gen > st.gen:
+            st.gen, st.expires_ms = gen, ms
+        elif gen == st.gen:
+            st.expires_ms = max(st.expires_ms, ms)
+    else:
+        gen = int(m.group(2))
+        if gen > st.gen:
+            st.gen, st.expires_ms = gen, 0
+
+
 class WorkQueue:
     """A job's queue of slices over a dataset. Build it with ``DatasetRef.work_queue``."""
 
@@ -180,6 +202,11 @@ class WorkQueue:
                 f"lease_seconds must be in [0.05, 86400], got {lease_seconds}"
             )
         self.lease_seconds = float(lease_seconds)
+        if self.num_epochs > _MAX_EPOCHS:
+            raise InvalidArgumentError(
+                f"num_epochs must be <= {_MAX_EPOCHS}, got {self.num_epochs}; "
+                "run longer training as several jobs"
+            )
         template = ref.stream(shuffle=shuffle, seed=self.seed, epoch=self.epoch, num_epochs=1)
         self.shuffle = template.shuffle
         self.block_window = _check_int(
@@ -289,24 +316,18 @@ class WorkQueue:
         base = f"{self.prefix}e{epoch}/"
         states: dict[int, ListedSlice] = {}
         for key in self.backend.list(base):
-            m = _KEY.fullmatch(key[len(base) :])
-            if m is None:
-                continue  # not ours; never fatal
-            index = int(m.group(1))
-            st = states.setdefault(index, ListedSlice())
-            if m.group(4):
-                st.done = True
-            elif m.group(3) is not None:
-                gen, ms = int(m.group(2)), int(m.group(3))
-                if gen > st.gen:
-                    st.gen, st.expires_ms = gen, ms
-                elif gen == st.gen:
-                    st.expires_ms = max(st.expires_ms, ms)
-            else:
-                gen = int(m.group(2))
-                if gen > st.gen:
-                    st.gen, st.expires_ms = gen, 0
+            _note_key(states, key[len(base) :])
         return states
+
+    def read_run(self) -> dict[int, dict[int, ListedSlice]]:
+        """Return the slice states of every epoch of the run that has keys, from one listing."""
+        epochs: dict[int, dict[int, ListedSlice]] = {}
+        for key in self.backend.list(self.prefix):
+            folder, _, name = key[len(self.prefix) :].partition("/")
+            m = _EPOCH_DIR.fullmatch(folder)
+            if m is not None and int(m.group(1)) in self.epochs:
+                _note_key(epochs.setdefault(int(m.group(1)), {}), name)
+        return epochs
 
     def claim_expiry(self, epoch: int, index: int, gen: int) -> int:
         """Return the first lease expiry (ms) written in a claim's value."""
@@ -342,7 +363,11 @@ class WorkQueue:
         return QueueStream(self, worker, prefetch=prefetch, wait=wait)
 
     def status(self) -> QueueStatus:
-        """Return the job's progress: one listing per epoch, one read per done or claimed slice."""
+        """Return the job's progress: one listing, one read per done or claimed slice.
+
+        Epochs without any key are summed up (``idle_epochs``), so the cost
+        grows with the epochs that have started, not with ``num_epochs``.
+        """
         with using(self.backend, self.prefix):
             return self._status()
 
@@ -351,8 +376,19 @@ class WorkQueue:
         workers: dict[str, int] = {}
         per_epoch = []
         leases = []
-        for e in self.epochs:
-            states = self.read_epoch(e)
+        listed = self.read_run()
+        shown = set(listed)
+        if self.resumed_from is not None:  # epochs whose positions a resume cut down
+            shown.update(e for e, _ in self.resumed_from.consumed if e in self.epochs)
+        # Every other epoch has no key (all its slices free) and all its positions.
+        idle_epochs = self.num_epochs - len(shown)
+        n = self.ref.num_records
+        full = ((0, n),) if n else ()
+        per_idle = sum(
+            1 for i in range(self.num_slices) if split_intervals(full, self.num_slices, i, False)
+        )
+        for e in sorted(shown):
+            states = listed.get(e, {})
             counts = dict.fromkeys(("slices", "done", "claimed", "expired"), 0)
             for index in range(self.num_slices):
                 if not self.slice_intervals(e, index):
@@ -377,11 +413,13 @@ class WorkQueue:
         return QueueStatus(
             job=self.job,
             run=self.run,
-            epochs=tuple(self.epochs),
+            epochs=self.epochs,
             per_epoch=tuple(per_epoch),
             workers=workers,
             leases=tuple(leases),
             now_ms=now,
+            idle_epochs=idle_epochs,
+            idle_slices=idle_epochs * per_idle if idle_epochs else 0,
         )
 
     def delete(self) -> None:
