@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any, cast
@@ -179,3 +180,86 @@ def test_num_epochs_is_bounded_also_in_a_stored_job(ref: y.DatasetRef) -> None:
     ref.store.backend.put(key, json.dumps(doc).encode())
     with pytest.raises(y.CorruptCacheError, match="num_epochs"):
         y.open_queue_runs(ref, "j")
+
+
+def test_bad_merge_and_lockstep_arguments_are_refused() -> None:
+    with pytest.raises(y.InvalidArgumentError, match="WorkQueueState"):
+        y.WorkQueueState.merge([None])  # type: ignore[list-item]
+    with pytest.raises(y.InvalidArgumentError, match="iterable"):
+        y.WorkQueueState.merge(None)  # type: ignore[arg-type]
+    with pytest.raises(y.InvalidArgumentError, match="function"):
+        y.lockstep([1, 2], 5)  # type: ignore[arg-type]
+    with pytest.raises(y.InvalidArgumentError, match="iterable"):
+        y.lockstep(None, bool)  # type: ignore[arg-type]
+    # A reduction that says no rank has data while this one has a batch: not silent.
+    with pytest.raises(y.InvalidArgumentError, match="any_rank_has_data"):
+        list(y.lockstep([1, 2, 3], lambda flag: False))
+    with pytest.raises(y.InvalidArgumentError, match="None"):
+        list(y.lockstep([1, None, 3], bool))
+    assert list(y.lockstep([1, 2], bool)) == [1, 2]
+
+
+def test_a_state_listing_an_epoch_twice_is_refused(ref: y.DatasetRef) -> None:
+    stream = ref.work_queue("j", num_slices=4, shuffle=False).stream("w", prefetch=0)
+    take(stream, 3)
+    doc = json.loads(stream.state(20).to_json())
+    doc["consumed"] = doc["consumed"] + [[0, [[100, 110]]]]
+    with pytest.raises(y.InvalidArgumentError, match="more than once"):
+        y.WorkQueueState.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("suffix", "value", "match"),
+    [
+        (".done", b"garbage", "work queue key"),
+        (".done", b'{"worker": "w", "records": 3}', "done marker"),
+        (".c0", b'{"worker": 5, "expires_ms": 1}', "not a string"),
+        (".c0", b'{"worker": "w", "expires_ms": 99999999999999999999}', "10 leases"),
+        (".c0.l99999999999999", b"", "10 leases"),
+    ],
+    ids=["done-garbage", "done-wrong-count", "claim-worker-int", "claim-far", "lease-far"],
+)
+def test_damaged_queue_keys_are_errors_not_silent(
+    ref: y.DatasetRef, suffix: str, value: bytes, match: str
+) -> None:
+    queue = ref.work_queue("j", num_slices=4, shuffle=False, lease_seconds=1)
+    queue.check_job()
+    ref.store.backend.put(f"{queue.prefix}e0/s000001{suffix}", value)
+    with pytest.raises(y.CorruptCacheError, match=match):
+        ids_of(queue.stream("w"))
+    with pytest.raises(y.CorruptCacheError, match=match):
+        queue.status()
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [("list", "not a JSON object"), ("missing", "'shuffle'"), ("bad", "field 'shuffle'")],
+)
+def test_job_json_errors_name_the_field(ref: y.DatasetRef, damage: str, match: str) -> None:
+    queue = ref.work_queue("j", num_slices=4)
+    queue.check_job()
+    key = queue.prefix + "job.json"
+    doc: Any = json.loads(bytes(ref.store.backend.get(key)))
+    if damage == "list":
+        doc = [1, 2]
+    elif damage == "missing":
+        del doc["shuffle"]
+    else:
+        doc["shuffle"] = "sideways"
+    ref.store.backend.put(key, json.dumps(doc).encode())
+    with pytest.raises(y.CorruptCacheError, match=match):
+        y.open_queue_runs(ref, "j")
+
+
+def test_a_completed_resumed_job_counts_as_finished(ref: y.DatasetRef) -> None:
+    queue = ref.work_queue("j", num_slices=4, shuffle=False, lease_seconds=0.2)
+    first = queue.stream("w", prefetch=0)
+    take(first, 3)
+    checkpoint = first.state(30)
+    first.claims.close()  # the first start crashed: its claim expires
+    time.sleep(0.4)
+    resumed = ref.work_queue("j", resume=checkpoint, attempt="2")
+    assert len(ids_of(resumed.stream("w"))) == 170
+    assert [q.status().finished for q in y.open_queue_runs(ref, "j")] == [False, True]
+    removed = y.delete_queue_jobs(ref.store, "d", "1", finished_only=True)
+    assert [j.job for j in removed] == ["j"] and y.list_queue_jobs(ref.store) == []

@@ -3,7 +3,8 @@
 ``status`` prints one line per run, one per epoch with keys (slices done,
 claimed, expired, free), one for the epochs not started yet, the workers'
 completed slices and every unfinished claim;
-``delete`` removes a job's keys (``--finished``: only when every run is done).
+``delete`` removes a job's keys (``--finished``: only when a run has every
+slice done and no run holds a live claim).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def add_queue_parser(sub: Any, store_help: str) -> None:
     status.add_argument("job")
     delete.add_argument("job", nargs="?", help="default: every job of the version")
     delete.add_argument(
-        "--finished", action="store_true", help="only jobs whose every slice is done"
+        "--finished",
+        action="store_true",
+        help="only jobs with a run whose every slice is done and no live claim",
     )
 
 

@@ -55,6 +55,7 @@ class QueueAssignment(Assignment):
         self._held: deque[_Slice] = deque()  # claimed, not all consumed, in reading order
         self._taken: list[_Slice] = []  # every slice handed out, in reading order
         self._complete: set[int] = set()  # epochs with every slice done
+        self._verified: set[tuple[int, int]] = set()  # done markers read and found valid
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._stash: _Slice | None = None  # claimed by wait_for_work, read next
@@ -100,7 +101,12 @@ class QueueAssignment(Assignment):
             pending = False
             for index in range(q.num_slices):
                 st = states.get(index)
-                if (st is not None and st.done) or not q.slice_intervals(e, index):
+                if not q.slice_intervals(e, index):
+                    continue
+                if st is not None and st.done:
+                    if (e, index) not in self._verified:  # once per slice: a valid marker?
+                        q.done_record(e, index)
+                        self._verified.add((e, index))
                     continue
                 if st is None or st.gen < 0:
                     got = self._try_claim(e, index, 0)
@@ -108,7 +114,10 @@ class QueueAssignment(Assignment):
                     pending = True  # ours, still being consumed
                     continue
                 else:
-                    expiry = st.expires_ms or q.claim_expiry(e, index, st.gen)
+                    expiry = q.check_expiry(
+                        st.expires_ms or q.claim_expiry(e, index, st.gen),
+                        f"{q.prefix}e{e}/s{index:06d}.c{st.gen}",
+                    )
                     if expiry > now:
                         pending = True
                         continue
@@ -229,6 +238,7 @@ class QueueAssignment(Assignment):
         # overwrite it, and the put skips the syncs of an exclusive put (on a
         # local store two fsyncs, most of a claim's cost).
         q.backend.put(key, json.dumps(doc).encode())
+        self._verified.add((piece.epoch, piece.index))
         if piece.lease_key is not None:
             q.backend.delete(piece.lease_key)
             piece.lease_key = None

@@ -95,6 +95,9 @@ def open_queue_runs(ref: DatasetRef, job: str) -> list[WorkQueue]:
     return [_open_run(ref, job, run) for run in jobs[0].runs]
 
 
+_FIELDS = ("num_slices", "shuffle", "seed", "epoch", "num_epochs", "block_window")
+
+
 def _open_run(ref: DatasetRef, job: str, run: str) -> WorkQueue:
     key = queue_prefix(ref.dataset_id, ref.version, job, run) + "job.json"
     try:
@@ -103,12 +106,29 @@ def _open_run(ref: DatasetRef, job: str, run: str) -> WorkQueue:
         raise CorruptCacheError(
             f"work queue run {key!r} has keys but no job.json; delete the job"
         ) from None
+    if not isinstance(doc, dict):
+        raise CorruptCacheError(
+            f"work queue record {key!r} is not a JSON object (got {type(doc).__name__}); "
+            "delete the job"
+        )
+    missing = [f for f in _FIELDS if f not in doc]
+    if missing:
+        raise CorruptCacheError(
+            f"work queue record {key!r} lacks field(s) {missing}; delete the job"
+        )
+    try:
+        shuffle = Shuffle(doc["shuffle"])
+    except (TypeError, ValueError):
+        raise CorruptCacheError(
+            f"work queue record {key!r}: field 'shuffle' is not valid: {doc['shuffle']!r:.50}; "
+            "delete the job"
+        ) from None
     try:
         queue = WorkQueue(
             ref,
             job,
             num_slices=doc["num_slices"],
-            shuffle=Shuffle(doc["shuffle"]),
+            shuffle=shuffle,
             seed=doc["seed"],
             epoch=doc["epoch"],
             num_epochs=doc["num_epochs"],
@@ -117,7 +137,9 @@ def _open_run(ref: DatasetRef, job: str, run: str) -> WorkQueue:
             attempt=doc.get("attempt", ""),
         )
     except (KeyError, TypeError, ValueError) as err:
-        raise CorruptCacheError(f"work queue record {key!r} is not valid: {err}") from err
+        raise CorruptCacheError(
+            f"work queue record {key!r} is not valid: {err}; delete the job"
+        ) from err
     if queue.run != run:
         raise CorruptCacheError(
             f"work queue record {key!r} describes run {queue.run!r}, not {run!r}; delete the job"
@@ -140,8 +162,10 @@ def delete_queue_jobs(
         dataset_id: the dataset.
         version: its version.
         job: one job, or ``None`` for every job of the version.
-        finished_only: remove a job only when every slice of every run is
-            done (needs the version itself, to reopen the runs).
+        finished_only: remove a job only when one of its runs has every
+            slice done (a resumed run continues the runs before it, which
+            stay unfinished) and no run holds a live claim (needs the version
+            itself, to reopen the runs).
 
     Returns:
         The jobs removed.
@@ -152,7 +176,8 @@ def delete_queue_jobs(
             continue
         if finished_only:
             ref = store.open(dataset_id, version)
-            if not all(q.status().finished for q in open_queue_runs(ref, info.job)):
+            statuses = [q.status() for q in open_queue_runs(ref, info.job)]
+            if not any(s.finished for s in statuses) or any(s.claimed for s in statuses):
                 continue
         store.backend.delete_prefix(queue_prefix(dataset_id, version, info.job))
         removed.append(info)

@@ -104,6 +104,13 @@ class WorkQueueState:
                         f"intervals within [0, {self.num_records})"
                     )
                 last = b
+        epochs = [e for e, _ in self.consumed]
+        if len(set(epochs)) != len(epochs):
+            twice = sorted({e for e in epochs if epochs.count(e) > 1})
+            raise InvalidArgumentError(
+                f"state lists epoch(s) {twice} more than once; each epoch appears once "
+                "(merge the states of several workers with WorkQueueState.merge)"
+            )
 
     def consumed_in(self, epoch: int) -> tuple[Interval, ...]:
         """Return the consumed positions of ``epoch``."""
@@ -122,9 +129,16 @@ class WorkQueueState:
         Raises:
             InvalidArgumentError: the states belong to different jobs or orders.
         """
+        if isinstance(states, str | bytes) or not isinstance(states, Iterable):
+            raise InvalidArgumentError(f"merge needs an iterable of states, got {states!r:.100}")
         states = list(states)
         if not states:
             raise InvalidArgumentError("merge needs at least one state")
+        for s in states:
+            if not isinstance(s, WorkQueueState):
+                raise InvalidArgumentError(
+                    f"merge needs WorkQueueState objects (QueueStream.state(...)), got {s!r:.100}"
+                )
         first = states[0]
         for s in states[1:]:
             if dataclasses.replace(s, consumed=()) != dataclasses.replace(first, consumed=()):

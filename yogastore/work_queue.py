@@ -34,7 +34,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from storage_backends.errors import (
@@ -43,12 +43,12 @@ from storage_backends.errors import (
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
-    YogaStoreError,
 )
 from yogastore import boundedjson
-from yogastore.order import Interval, Shuffle, split_intervals
+from yogastore.order import Interval, Shuffle, intervals_length, split_intervals
 from yogastore.queue_claims import QueueAssignment
 from yogastore.queue_files import using
+from yogastore.queue_lockstep import lockstep
 from yogastore.queue_state import (
     EpochCounts,
     Lease,
@@ -79,6 +79,7 @@ _KEY = re.compile(r"s(\d{1,9})\.(?:c(\d{1,9})(?:\.l(\d{1,15}))?|(done))")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,199}")
 _MAX_SLICES = 1_000_000
 _MAX_EPOCHS = 1_000_000
+_MAX_LEASE = 86400.0
 _EPOCH_DIR = re.compile(r"e(\d{1,20})")
 
 
@@ -197,9 +198,9 @@ class WorkQueue:
         self.num_epochs = _check_int("num_epochs", num_epochs, 1)
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
             raise InvalidArgumentError(f"lease_seconds must be a number, got {lease_seconds!r}")
-        if not 0.05 <= lease_seconds <= 86400:
+        if not 0.05 <= lease_seconds <= _MAX_LEASE:
             raise InvalidArgumentError(
-                f"lease_seconds must be in [0.05, 86400], got {lease_seconds}"
+                f"lease_seconds must be in [0.05, {_MAX_LEASE:g}], got {lease_seconds}"
             )
         self.lease_seconds = float(lease_seconds)
         if self.num_epochs > _MAX_EPOCHS:
@@ -333,16 +334,70 @@ class WorkQueue:
         """Return the first lease expiry (ms) written in a claim's value."""
         return self.claim_record(epoch, index, gen)[1]
 
-    def claim_record(self, epoch: int, index: int, gen: int) -> tuple[str, int]:
-        """Return the worker and first lease expiry (ms) of a claim ("", 0 if it is gone)."""
+    def claim_record(
+        self, epoch: int, index: int, gen: int, lease_seconds: float | None = None
+    ) -> tuple[str, int]:
+        """Return the worker and first lease expiry (ms) of a claim ("", 0 if it is gone).
+
+        ``lease_seconds`` (default: this queue's) bounds a plausible expiry.
+        """
         key = f"{self.prefix}e{epoch}/s{index:06d}.c{gen}"
         try:
             doc = self.read_json(key)
-            return str(doc["worker"]), _check_int("expires_ms", doc["expires_ms"], 0)
+            worker = doc["worker"]
+            if not isinstance(worker, str):
+                raise TypeError(f"worker {worker!r:.50} is not a string")
+            expiry = _check_int("expires_ms", doc["expires_ms"], 0)
         except KeyNotFoundError:
             return "", 0
         except (InvalidArgumentError, KeyError, TypeError) as err:
-            raise CorruptCacheError(f"work queue claim {key!r} is not valid: {err}") from err
+            raise CorruptCacheError(
+                f"work queue claim {key!r} is not valid: {err}; delete the job"
+            ) from err
+        self.check_expiry(expiry, key, lease_seconds)
+        return worker, expiry
+
+    def check_expiry(self, expiry_ms: int, key: str, lease_seconds: float | None = None) -> int:
+        """Return a lease expiry, or raise if it lies absurdly far ahead (10 leases).
+
+        ``lease_seconds`` defaults to this queue's; ``status`` passes the
+        longest lease allowed, since a reopened run does not know its lease.
+
+        Raises:
+            CorruptCacheError: the expiry would keep the slice from every worker.
+        """
+        lease = self.lease_seconds if lease_seconds is None else lease_seconds
+        if expiry_ms > int((time.time() + 10 * lease) * 1000):
+            raise CorruptCacheError(
+                f"work queue lease {key!r} expires at {expiry_ms} ms, more than 10 leases "
+                f"({10 * lease:g} s) from now: a damaged key, a worker started with a "
+                "longer lease_seconds, or a clock far ahead; delete the job"
+            )
+        return expiry_ms
+
+    def done_record(self, epoch: int, index: int) -> str:
+        """Return the worker of a slice's done marker ("" if it is gone).
+
+        Raises:
+            CorruptCacheError: the marker is not one a worker wrote for this slice.
+        """
+        key = f"{self.prefix}e{epoch}/s{index:06d}.done"
+        try:
+            doc = self.read_json(key)
+        except KeyNotFoundError:
+            return ""
+        want = intervals_length(self.slice_intervals(epoch, index))
+        if (
+            not isinstance(doc, dict)
+            or not isinstance(doc.get("worker"), str)
+            or type(doc.get("records")) is not int
+            or doc["records"] != want
+        ):
+            raise CorruptCacheError(
+                f"work queue done marker {key!r} is not valid (want a worker and "
+                f"records={want}, got {doc!r:.100}); its slice would be skipped: delete the job"
+            )
+        return str(doc["worker"])
 
     def stream(self, worker: str, *, prefetch: int | None = None, wait: bool = True) -> QueueStream:
         """Return the stream of records this worker claims from the queue.
@@ -397,15 +452,15 @@ class WorkQueue:
                 st = states.get(index, ListedSlice())
                 if st.done:
                     counts["done"] += 1
-                    try:
-                        doc = self.read_json(f"{self.prefix}e{e}/s{index:06d}.done")
-                        name = str(doc["worker"])
-                    except (YogaStoreError, KeyError, TypeError):
-                        name = "?"  # a damaged done marker still means done
+                    name = self.done_record(e, index) or "?"
                     workers[name] = workers.get(name, 0) + 1
                 elif st.gen >= 0:
-                    holder, first = self.claim_record(e, index, st.gen)
-                    expiry = st.expires_ms or first
+                    holder, first = self.claim_record(e, index, st.gen, _MAX_LEASE)
+                    expiry = self.check_expiry(
+                        st.expires_ms or first,
+                        f"{self.prefix}e{e}/s{index:06d}.c{st.gen}",
+                        _MAX_LEASE,
+                    )
                     live = expiry > now
                     counts["claimed" if live else "expired"] += 1
                     leases.append(Lease(epoch=e, index=index, worker=holder, expires_ms=expiry))
@@ -518,25 +573,3 @@ class QueueStream(Stream):
             num_slices=q.num_slices,
             consumed=tuple((e, union(merged[e])) for e in sorted(merged)),
         )
-
-
-def lockstep(batches: Iterable[Any], any_rank_has_data: Callable[[bool], bool]) -> Iterator[Any]:
-    """Yield batches while any rank still has one, ``None`` where this rank has none.
-
-    Workers of a queue end an epoch after different numbers of steps; in
-    synchronous training the ranks that ran out must keep joining the
-    collective operations until every rank is done, or the others hang.
-    ``any_rank_has_data(flag)`` is the one collective per step (for example a
-    max all-reduce of ``flag`` across ranks). A ``None`` step should run the
-    training step with zero weight (or call ``hvd.join()`` once and stop).
-    Read the queue with ``queue.stream(worker, wait=False)``: a rank must not
-    wait for a slice another rank holds while that rank waits in a collective.
-    """
-    it = iter(batches)
-    exhausted = False
-    while True:
-        batch = None if exhausted else next(it, None)
-        exhausted = batch is None
-        if not any_rank_has_data(batch is not None):
-            return
-        yield batch
