@@ -36,6 +36,7 @@ __all__ = [
     "dataset_items",
     "element_spec_from_schema",
     "numpy_records",
+    "record_dataset",
     "schema_from_element_spec",
     "to_tf_dataset",
 ]
@@ -441,11 +442,29 @@ def _grouped_dataset(
     return _finish(ds, row_bytes(schema) * size)
 
 
-def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
+def record_dataset(stream: Stream, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
+    """Return one element per record, read as the stream's batches of ``batch_size``.
+
+    For batching records whose dense components vary in shape (padded or
+    ragged batches): the records are exactly those of
+    ``to_tf_dataset(stream, batch_size, drop_remainder)``, in order, but never
+    stacked into one dense array. Ragged_rank-0 components come as dense
+    tensors.
+    """
+    return _per_element_dataset(stream, stream.ref.schema, batch_size, drop_remainder)
+
+
+def _per_element_dataset(
+    stream: Stream,
+    schema: Schema,
+    batch_size: int = _UNBATCH_INTERNAL,
+    drop_remainder: bool = False,
+) -> tf.data.Dataset:
     specs = tuple(s for c in schema.components for s in _wire_specs(c, None, False))
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        for _records, cols in stream.column_batches(_UNBATCH_INTERNAL):
+        # A stream subclass may give batches a meaning (steps), so read in its batches.
+        for _records, cols in stream.column_batches(batch_size, drop_remainder):
             for i in range(len(cols[0]) if cols else 0):
                 comps = element_components(schema, cols, i)
                 yield tuple(
