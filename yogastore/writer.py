@@ -128,10 +128,12 @@ def write_dataset(
     uploader = _Uploader(backend, upload_workers)
     builder = ChunkBuilder(columns)
     first = 0
+    written = 0
+    lines = progress if isinstance(progress, LineProgress) else None
     started = time.perf_counter()
 
     def flush() -> None:
-        nonlocal builder, first
+        nonlocal builder, first, written
         if builder.count == 0:
             return
         data = builder.encode()
@@ -150,9 +152,14 @@ def write_dataset(
         )
         first += builder.count
         uploader.put(key, data)
-        if isinstance(progress, LineProgress):
-            progress.add_bytes(len(data))
+        written += len(data)
         builder = ChunkBuilder(columns)
+
+    def report(n: int) -> None:
+        # Bytes so far: the chunks written plus the records of the chunk being filled.
+        if lines is not None:
+            lines.set_bytes(written + builder.nbytes)
+        progress.update(n)
 
     try:
         for kind, values in items:
@@ -164,16 +171,18 @@ def write_dataset(
                     room = max(1, (chunk_bytes - builder.nbytes) // row_bytes)
                     stop = min(n, start + room)
                     builder.add_batch([v[start:stop] for v in values])
-                    progress.update(stop - start)
+                    report(stop - start)
                     start = stop
                     if builder.nbytes >= chunk_bytes:
                         flush()
             else:
                 builder.add_record(values)
-                progress.update(1)
+                report(1)
                 if builder.nbytes >= chunk_bytes:
                     flush()
         flush()
+        if lines is not None:
+            lines.set_bytes(written)
     finally:
         uploader.finish()
         progress.close()
