@@ -221,3 +221,12 @@ def test_padded_batching_of_sparse_refused_at_the_call(tmp_path: Path) -> None:
         2, map_fn=lambda e: {"m": tf.sparse.to_dense(e["m"])}, batching=Batching.PADDED
     )
     assert [b["m"].shape.as_list() for b in dense] == [[2, 2, 2], [2, 2, 2]]
+
+
+def test_padded_shapes_that_do_not_fit_refused_at_the_call(
+    varlen_ref: yogastore.DatasetRef,
+) -> None:
+    with pytest.raises(yogastore.InvalidArgumentError, match=r"padded_shapes=.*do not fit"):
+        varlen_ref.stream().to_tf_dataset(3, batching=Batching.PADDED, padded_shapes={"v": [5]})
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"Batching.PADDED or Batching.RAGGED"):
+        list(varlen_ref.stream(shuffle=False).to_tf_dataset(3))

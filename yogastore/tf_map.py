@@ -163,10 +163,16 @@ def to_tf_dataset(
     elif batching is Batching.RAGGED:
         ds = ds.ragged_batch(batch_size, drop_remainder=drop_remainder)
     else:
-        ds = _apply(_densify, ds, calls).padded_batch(
-            batch_size,
-            padded_shapes=padded_shapes,
-            padding_values=padding_values,
-            drop_remainder=drop_remainder,
-        )
+        try:
+            ds = _apply(_densify, ds, calls).padded_batch(
+                batch_size,
+                padded_shapes=padded_shapes,
+                padding_values=padding_values,
+                drop_remainder=drop_remainder,
+            )
+        except (TypeError, ValueError) as err:  # raised by tf at the call
+            raise InvalidArgumentError(
+                f"padded_shapes={padded_shapes!r:.200} / padding_values={padding_values!r:.200} "
+                f"do not fit the records ({ds.element_spec!r:.300}): {err}"
+            ) from err
     return ds.prefetch(2)
