@@ -240,7 +240,7 @@ def test_full_disk_on_a_small_tmpfs(tmp_path: Path) -> None:
         code, message = out[case]
         assert code == errno.ENOSPC, out
         assert "disk full" in message and "bytes free" in message, message
-    assert ["big", "1", False] in out["gc"]
+    assert out["gc"] == []  # each failed build removed its own files; nothing left to gc
     assert out["small"] == 100
 
 
