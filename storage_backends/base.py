@@ -170,12 +170,13 @@ class Backend(abc.ABC):
         Backends returning memory-mapped views check that the mapped file did
         not shrink (reading it would kill the process with ``SIGBUS``); others
         have nothing to check. Cheap: call it before each batch read from
-        such views.
+        such views. ``key`` (any key of the dataset) only names where to look,
+        and is not validated here: this runs before every batch.
 
         Raises:
             CorruptCacheError: the file was truncated under this process.
         """
-        self._check_mapped(check_key(key))
+        self._check_mapped(key)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; buffers returned earlier become invalid."""

@@ -261,8 +261,11 @@ class _Env:
 
     def check_mapped(self) -> None:
         """Raise ``CorruptCacheError`` if views of this file could no longer be read."""
-        with self.mutex, contextlib.suppress(_Vanished):
-            self.check_size()
+        st = os.fstat(self.fd)  # lock-free: ``seen`` only grows
+        if st.st_nlink and st.st_size < self.seen:
+            with self.mutex:
+                self.check_size()
+        # An unlinked file keeps its pages: views of it stay readable.
 
     # Writing ------------------------------------------------------------------
 
@@ -457,9 +460,10 @@ class LmdbBackend(Backend):
         return opened
 
     def _check_mapped(self, key: str) -> None:
-        # One fstat of the environment's data file, if this process has it open.
-        path, _ = self._split(key)
-        entry = lmdb_env.lookup(str(path), str(path / _DATA_FILE), _stale)
+        # One fstat of the environment's data file, if this process has it open
+        # (no path resolution: this runs before every batch gathered).
+        directory = key.rpartition("/")[0]
+        entry = lmdb_env.peek(f"{self.root}/{directory}" if directory else str(self.root))
         if entry is not None:
             entry.extra.check_mapped()
 

@@ -43,6 +43,7 @@ __all__ = [
     "free_bytes",
     "keys_under",
     "lookup",
+    "peek",
     "release",
     "reserve_lock_file",
     "was_inherited",
@@ -167,6 +168,14 @@ def lookup(
     if on_stale is not None:
         on_stale(entry)
     return None
+
+
+def peek(key: str) -> Entry | None:
+    """Return the entry of ``key`` without checking that its file is still in place.
+
+    Lock-free (one dictionary read): for checks run before every batch.
+    """
+    return _ENTRIES.get(key)
 
 
 def acquire(
