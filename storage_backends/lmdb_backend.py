@@ -431,6 +431,7 @@ class LmdbBackend(Backend):
         if not str(url).strip():
             raise InvalidArgumentError("the store path is empty; pass a directory")
         self.root = _root_from_url(url).expanduser().resolve()
+        self._root = str(self.root)
         if self.root.exists() and not self.root.is_dir():
             raise InvalidArgumentError(
                 f"store path {self.root} is not a directory; pass a directory (it is "
@@ -463,7 +464,7 @@ class LmdbBackend(Backend):
         # One fstat of the environment's data file, if this process has it open
         # (no path resolution: this runs before every batch gathered).
         directory = key.rpartition("/")[0]
-        entry = lmdb_env.peek(f"{self.root}/{directory}" if directory else str(self.root))
+        entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
         if entry is not None:
             entry.extra.check_mapped()
 
