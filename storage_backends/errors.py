@@ -22,6 +22,7 @@ __all__ = [
     "LockTimeoutError",
     "RankMismatchError",
     "StaleCacheError",
+    "DatasetChangedError",
     "StorageError",
     "UnsupportedElementError",
     "YogaStoreError",
@@ -82,6 +83,10 @@ class LockTimeoutError(YogaStoreError, TimeoutError):
 
 class StaleCacheError(YogaStoreError, ValueError):
     """A cached version was built from another source (element_spec or fingerprint differ)."""
+
+
+class DatasetChangedError(YogaStoreError, RuntimeError):
+    """A version was deleted or rebuilt by another process after this reference was opened."""
 
 
 class BuildLimitError(YogaStoreError, ValueError):

@@ -187,6 +187,10 @@ FULL_DISK = textwrap.dedent(
         out["too_big"] = "built"
     except yogastore.StorageError as err:
         out["too_big"] = [err.errno, str(err)]
+    # The failed build freed its space: nothing of it is left on disk.
+    big = os.path.join(root, "store", "big")
+    out["left"] = sorted(os.listdir(big)) if os.path.isdir(big) else None
+    out["versions"] = store.versions()
     # Fill what is left, then start a new version: its environment cannot be created.
     fd = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT)
     try:
@@ -240,7 +244,8 @@ def test_full_disk_on_a_small_tmpfs(tmp_path: Path) -> None:
         code, message = out[case]
         assert code == errno.ENOSPC, out
         assert "disk full" in message and "bytes free" in message, message
-    assert ["big", "1", False] in out["gc"]
+    assert out["versions"] == [] and out["gc"] == [], out
+    assert out["left"] in ([], None), out  # no version directory, no lock file
     assert out["small"] == 100
 
 

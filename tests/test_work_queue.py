@@ -125,7 +125,8 @@ def test_expired_lease_is_taken_over_and_read_whole(ref: y.DatasetRef) -> None:
 
 
 def test_live_lease_is_not_taken(ref: y.DatasetRef) -> None:
-    queue = ref.work_queue("j", num_slices=10, lease_seconds=0.3)
+    # The lease is renewed every lease/3; the margin must survive a loaded machine.
+    queue = ref.work_queue("j", num_slices=10, lease_seconds=1.0)
     slow = queue.stream("slow", prefetch=0)
     it = slow.batches(10)
     first = [int(i) for i in next(it)["id"]]
@@ -133,12 +134,24 @@ def test_live_lease_is_not_taken(ref: y.DatasetRef) -> None:
     results: list[int] = []
     t = threading.Thread(target=lambda: results.extend(ids_of(other)))
     t.start()
-    time.sleep(1.0)  # several lease periods: the renewer keeps the claim alive
+    time.sleep(2.5)  # several lease periods: the renewer keeps the claim alive
     rest = [int(i) for b in it for i in b["id"]]
     t.join(30)
     assert other.claims.takeovers == 0
     counts = collections.Counter(first + rest + results)
     assert set(counts) == set(range(1000)) and set(counts.values()) == {1}
+
+
+def test_stream_without_wait_ends_while_another_holds_a_slice(ref: y.DatasetRef) -> None:
+    queue = ref.work_queue("j", num_slices=4, lease_seconds=30, shuffle=False)
+    holder = queue.stream("holder", prefetch=0)
+    it = holder.batches(10)
+    assert [int(i) for i in next(it)["id"]] == list(range(10))  # holds slice 0: [0, 250)
+    rest = ids_of(queue.stream("sync", wait=False))  # would wait 30 s for slice 0 otherwise
+    assert sorted(rest) == list(range(250, 1000))
+    assert queue.status().claimed == 1
+    assert len([i for b in it for i in b["id"]]) == 240
+    assert queue.status().finished
 
 
 def test_resume_from_a_checkpoint_with_fewer_workers(ref: y.DatasetRef) -> None:

@@ -12,6 +12,7 @@ from storage_backends.errors import (
     BuildLimitError,
     CoordinationError,
     CorruptCacheError,
+    DatasetChangedError,
     DatasetNotFoundError,
     InvalidArgumentError,
     LockLostError,
@@ -26,10 +27,17 @@ from storage_backends.s3_options import Coordination
 from yogastore.format import StringBuffer, StringFormat
 from yogastore.order import Shuffle
 from yogastore.progress import NullProgress, Progress
+from yogastore.queue_jobs import (
+    QueueJob,
+    QueueJobNotFoundError,
+    delete_queue_jobs,
+    list_queue_jobs,
+    open_queue_runs,
+)
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
 from yogastore.store import DatasetInfo, DatasetRef, GcEntry, Store
 from yogastore.stream import Stream, StreamState
-from yogastore.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState
+from yogastore.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState, lockstep
 
 __version__ = "0.1.0"
 
@@ -51,6 +59,8 @@ __all__ = [
     "LockTimeoutError",
     "NullProgress",
     "Progress",
+    "QueueJob",
+    "QueueJobNotFoundError",
     "QueueStatus",
     "QueueStream",
     "RaggedValue",
@@ -58,6 +68,7 @@ __all__ = [
     "Shuffle",
     "SparseValue",
     "StaleCacheError",
+    "DatasetChangedError",
     "StorageError",
     "Store",
     "Stream",
@@ -69,4 +80,8 @@ __all__ = [
     "WorkQueueState",
     "YogaStoreError",
     "__version__",
+    "delete_queue_jobs",
+    "list_queue_jobs",
+    "lockstep",
+    "open_queue_runs",
 ]

@@ -17,7 +17,12 @@ import numpy as np
 import numpy.typing as npt
 
 from storage_backends import Backend
-from storage_backends.errors import CorruptCacheError, KeyNotFoundError
+from storage_backends.errors import (
+    CorruptCacheError,
+    DatasetChangedError,
+    KeyNotFoundError,
+    YogaStoreError,
+)
 from yogastore.format import ChunkView, ColumnBatch
 from yogastore.manifest import Manifest, checksum
 from yogastore.rows import FixedRows, VarRows
@@ -86,6 +91,33 @@ def locate(
     return which.astype(np.int64), records - starts[which]
 
 
+def missing_chunk_error(backend: Backend, manifest: Manifest, where: str) -> YogaStoreError:
+    """Return the error for a chunk the manifest names but the store does not hold.
+
+    A version deleted or rebuilt by another process since this reference was
+    opened is not a corrupted cache: say so, and how to go on.
+    """
+    try:
+        prefix = f"{manifest.dataset_id}/{manifest.version}/"
+        current = Manifest.from_json(backend.get(prefix + "manifest.json"), where, prefix)
+    except KeyNotFoundError:
+        return DatasetChangedError(
+            f"{where}: this version was deleted from {backend.url} after it was opened; "
+            "open it again (or cache it again)"
+        )
+    except YogaStoreError:
+        current = None
+    if current is not None and current.build_id != manifest.build_id:
+        return DatasetChangedError(
+            f"{where}: this version was rebuilt (build {current.build_id}, opened as build "
+            f"{manifest.build_id}) after it was opened; open it again to read the new build"
+        )
+    return CorruptCacheError(
+        f"{where}: chunk listed in the manifest is missing from {backend.url}; "
+        "delete and rebuild this version"
+    )
+
+
 def verify_once(url: str, manifest: Manifest, chunk: int, data: bytes | memoryview) -> bool:
     """Check one chunk's length and checksum unless already done in this process."""
     info = manifest.chunks[chunk]
@@ -128,6 +160,8 @@ class LocalChunkSource:
         }
         self._loaded = np.zeros(num_chunks, dtype=bool)
         self._all_loaded = num_chunks == 0
+        # Any key of the version names the file its views map.
+        self._mapped_key = f"{manifest.dataset_id}/{manifest.version}/manifest.json"
 
     def view(self, chunk: int) -> ChunkView:
         """Return the validated view of one chunk."""
@@ -139,7 +173,7 @@ class LocalChunkSource:
         try:
             data = self.backend.get(info.key)
         except KeyNotFoundError as err:
-            raise CorruptCacheError(f"{where}: chunk listed in the manifest is missing") from err
+            raise missing_chunk_error(self.backend, self.manifest, where) from err
         verified = verify_once(self.backend.url, self.manifest, chunk, data)
         view = ChunkView(data, self._columns, info.count, where)
         with self._lock:
@@ -158,6 +192,9 @@ class LocalChunkSource:
 
     def gather(self, records: IntArray) -> list[ColumnBatch]:
         which, local = locate(self.manifest, self._starts, records, self._uniform)
+        # Views handed out earlier read a memory map: make sure its file did
+        # not shrink since (an outside truncation), which would be a SIGBUS.
+        self.backend.check_mapped(self._mapped_key)
         if not self._all_loaded:
             for c in np.unique(which[~self._loaded[which]]):
                 self.view(int(c))

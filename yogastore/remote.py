@@ -76,7 +76,7 @@ from yogastore.blocks import BlockSums
 from yogastore.diskcache import DiskCache
 from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
 from yogastore.manifest import Manifest, checksum
-from yogastore.reader import ReadStats, locate
+from yogastore.reader import ReadStats, locate, missing_chunk_error
 from yogastore.remote_plan import (
     ChunkState,
     IntArray,
@@ -676,10 +676,7 @@ class RemoteChunkSource:
             try:
                 data = bytes(self.backend.get_range(key, start, end - start))
             except KeyNotFoundError as err:
-                raise CorruptCacheError(
-                    f"{where}: chunk listed in the manifest is missing from "
-                    f"{self.backend.url}; delete and rebuild this version"
-                ) from err
+                raise missing_chunk_error(self.backend, self.manifest, where) from err
             except InvalidArgumentError as err:
                 if attempt == _ATTEMPTS:
                     raise CorruptCacheError(

@@ -21,7 +21,9 @@ from storage_backends.errors import (
     LockLostError,
     LockTimeoutError,
     StorageError,
+    YogaStoreError,
 )
+from yogastore import housekeeping
 from yogastore.buildcheck import (
     BuildOptions,
     canonical_fingerprint,
@@ -424,15 +426,16 @@ class Store:
             max_records=max_records,
             max_bytes=max_bytes,
         )
-        if options.rebuild:
-            self._drop(dataset_id, version)
-        manifest = self._read_manifest(dataset_id, version)
+        manifest = None if options.rebuild else self._read_manifest(dataset_id, version)
         if manifest is not None:
             return self._hit(manifest, make_dataset, spec, options)
         with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
             manifest = self._read_manifest(dataset_id, version)
-            if manifest is not None:
+            if manifest is not None and not options.rebuild:
                 return self._hit(manifest, make_dataset, spec, options)
+            # rebuild=True: the committed version stays readable until the new
+            # build replaces its manifest; a failed rebuild leaves it as it was.
+            replaces = manifest
             # Keys left by a build that died before its manifest are never read
             # and are swept after the commit, not now: a holder whose lease ran
             # out unnoticed may still be writing, and deleting first could leave
@@ -454,6 +457,7 @@ class Store:
                     upload_workers=int(getattr(self.backend, "upload_workers", 1)),
                     build_id=build_id,
                     source_fingerprint=options.fingerprint,
+                    replace=replaces is not None,
                 )
             except (KeyExistsError, LockLostError) as err:
                 # Refused: another manifest is there, or another process took
@@ -469,7 +473,11 @@ class Store:
             except BaseException:
                 # Still the holder: our own chunks are nobody else's to read.
                 delete_build(self.backend, dataset_id, version, build_id)
+                if replaces is None:
+                    self._drop_uncommitted(dataset_id, version)
                 raise
+            if replaces is not None:
+                logger.info("%s: rebuilt, replacing build %s", manifest.where, replaces.build_id)
             self._sweep(manifest)
         return DatasetRef(self, manifest, element_spec)
 
@@ -505,14 +513,24 @@ class Store:
 
         return ytf.schema_from_element_spec(spec)
 
-    def _drop(self, dataset_id: str, version: str) -> None:
-        """Delete a committed version (for ``rebuild=True``); no-op when absent."""
-        prefix = f"{dataset_id}/{version}/"
-        with self.backend.lock(f"{dataset_id}/{version}", timeout=self.lock_timeout):
-            if self.backend.exists(prefix + MANIFEST):
-                logger.info("rebuilding dataset %r version %r", dataset_id, version)
-                self.backend.delete(prefix + MANIFEST)
-                self.backend.delete_prefix(prefix)
+    def _drop_uncommitted(self, dataset_id: str, version: str) -> None:
+        """After a failed build (lock held): free a local version that has no manifest.
+
+        On a local store the lock cannot be lost unnoticed, so whatever the
+        version holds is dead: its files go (an LMDB file never shrinks, and a
+        full disk must not stay full), and its lock file. On an object store
+        another builder may still be writing after a lease it lost: only this
+        build's chunks are deleted (above); ``gc`` removes the rest.
+        """
+        if getattr(self.backend, "remote", False):
+            return
+        name = f"{dataset_id}/{version}"
+        try:
+            if self._read_manifest(dataset_id, version) is None:
+                self.backend.delete_prefix(name + "/")
+                self.backend.delete_lock(name)
+        except YogaStoreError as err:
+            logger.warning("%s: could not remove the failed build's files: %s", name, err)
 
     def _winner(self, dataset_id: str, version: str) -> Manifest | None:
         """Return the manifest another builder committed when ours was refused."""
@@ -585,8 +603,9 @@ class Store:
     def list(self) -> list[DatasetInfo]:
         """Return every committed dataset version in this store.
 
-        A version whose manifest is damaged is skipped with a warning (``verify``
-        and ``delete`` name it); builds without a manifest are not listed.
+        A version whose manifest or file is damaged is skipped with a warning
+        (``verify`` and ``delete`` name it); builds without a manifest are not
+        listed, and neither is anything yogastore did not write (see ``versions``).
         """
         out = []
         for dataset_id, version in self.versions():
@@ -604,24 +623,30 @@ class Store:
         return out
 
     def versions(self) -> builtins.list[tuple[str, str]]:
-        """Return the (dataset id, version) pairs that have keys, committed or not, sorted."""
-        found = set()
-        for key in self.backend.list(""):
-            parts = key.split("/")
-            if len(parts) == 3:
-                found.add((parts[0], parts[1]))
-        return sorted(found)
+        """Return the (dataset id, version) pairs that have keys, committed or not, sorted.
+
+        Only yogastore's own versions count: ``<id>/<version>/`` holding
+        nothing but a ``manifest.json`` and chunks ``c-<build>-<n>``, under
+        valid names. Anything else found under the store's root (another
+        program's LMDB files, say) is never listed, collected nor deleted.
+        A damaged local version is skipped with a warning.
+        """
+        return housekeeping.own_versions(self.backend, self.url)
 
     def building(self, dataset_id: str, version: str = "1") -> bool:
         """Return whether a build of this version holds its lock right now.
 
         Takes the lock for an instant when it is free (on an object store that
-        writes and deletes the lock object).
+        writes and deletes the lock object); asking about a version that does
+        not exist leaves nothing behind.
         """
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
+        name = f"{dataset_id}/{version}"
         try:
-            with self.backend.lock(f"{dataset_id}/{version}", timeout=0):
+            with self.backend.lock(name, timeout=0):
+                if not self.backend.list(name + "/"):
+                    self.backend.delete_lock(name)
                 return False
         except LockTimeoutError:
             return True
@@ -631,23 +656,36 @@ class Store:
 
         The manifest goes first (readers never see half a dataset), then the
         chunks of every build of it, committed or not, then its directory and
-        lock. Waits for a build in progress (up to ``lock_timeout``).
+        lock (and the dataset's directory with its last version), and last
+        the keys of its work queue jobs. A local version whose file is damaged
+        is removed without opening it. Waits for a build in progress (up to
+        ``lock_timeout``).
 
         Raises:
             DatasetNotFoundError: nothing of that version is in the store.
+            InvalidArgumentError: the place holds keys yogastore did not write
+                (another program's data); nothing is deleted.
             LockTimeoutError: a build kept the lock past ``lock_timeout``.
         """
+        from yogastore.work_queue import queue_prefix
+
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
         prefix = f"{dataset_id}/{version}/"
         name = f"{dataset_id}/{version}"
         with self.backend.lock(name, timeout=self.lock_timeout):
             keys = self.backend.list(prefix)
+            housekeeping.check_own(keys, prefix, self.url)
+            present = bool(keys) or self.backend.disk_usage(prefix) > 0
             if prefix + MANIFEST in keys:
                 self.backend.delete(prefix + MANIFEST)
             self.backend.delete_prefix(prefix)
             self.backend.delete_lock(name)
-        if not keys:
+        queues = queue_prefix(dataset_id, version)
+        queue_keys = self.backend.list(queues)
+        if queue_keys:
+            self.backend.delete_prefix(queues)
+        if not present and not queue_keys:
             raise DatasetNotFoundError(
                 f"no dataset {dataset_id!r} version {version!r} in {self.url}"
             )
@@ -656,42 +694,16 @@ class Store:
         """Remove what dead builds left behind, in every dataset version.
 
         A version without a manifest (its build died or failed) is deleted
-        whole; a committed version loses the keys its manifest does not name.
-        A version whose lock is held (a build in progress) is not touched, and
-        neither is one whose manifest is damaged (``verify`` and ``delete``
-        deal with it).
+        whole, with its lock and, if it was the last, its dataset's directory;
+        a committed version loses the chunks its manifest does not name. A
+        version whose lock is held (a build in progress) is not touched, nor
+        is one whose manifest or file is damaged (``verify`` and ``delete``
+        deal with it), nor anything yogastore did not write (see ``versions``).
 
         Returns:
             One entry per version something was removed from.
         """
-        removed = []
-        for dataset_id, version in self.versions():
-            name = f"{dataset_id}/{version}"
-            prefix = name + "/"
-            try:
-                with self.backend.lock(name, timeout=0):
-                    try:
-                        manifest = self._read_manifest(dataset_id, version)
-                    except CorruptCacheError as err:
-                        logger.warning("gc: leaving %s alone: %s", name, err)
-                        continue
-                    keys = self.backend.list(prefix)
-                    if manifest is None:
-                        freed = self.backend.disk_usage(prefix)
-                        self.backend.delete_prefix(prefix)
-                        self.backend.delete_lock(name)
-                        removed.append(GcEntry(dataset_id, version, len(keys), freed, False))
-                        continue
-                    keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
-                    stale = [key for key in keys if key not in keep]
-                    freed = sum(self.backend.size(key) for key in stale)
-                    for key in stale:
-                        self.backend.delete(key)
-                    if stale:
-                        removed.append(GcEntry(dataset_id, version, len(stale), freed, True))
-            except LockTimeoutError:
-                logger.info("gc: %s is being built; left alone", name)
-        return removed
+        return housekeeping.collect_garbage(self)
 
     def copy(self, dataset_id: str, version: str = "1", *, to: Store) -> DatasetRef:
         """Copy a dataset version to another store, verifying every chunk's checksum."""

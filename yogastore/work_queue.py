@@ -20,23 +20,18 @@ or a digest of the resume state the job started from):
 * ``e<epoch>/s<slice>.done``: the slice's records were all consumed.
 
 Every state the queue needs is read from one listing per claim, so a store
-whose reads may serve an older snapshot of a value is still safe: only keys
-that never change after creation are ever read.
+whose reads may serve an older snapshot of a value is still safe: the values
+read (``job.json``, a claim's first expiry) never change after creation; a
+done marker counts by its presence (``status`` shows its worker).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import hashlib
-import itertools
 import json
-import logging
 import re
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from storage_backends.errors import (
@@ -44,9 +39,20 @@ from storage_backends.errors import (
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
+    YogaStoreError,
 )
-from yogastore.assignment import Assignment, Span
-from yogastore.order import Interval, Shuffle, intervals_length, split_intervals
+from yogastore import boundedjson
+from yogastore.order import Interval, Shuffle, split_intervals
+from yogastore.queue_claims import QueueAssignment
+from yogastore.queue_state import (
+    EpochCounts,
+    Lease,
+    ListedSlice,
+    QueueStatus,
+    WorkQueueState,
+    complement,
+    union,
+)
 from yogastore.stream import Stream
 
 if TYPE_CHECKING:
@@ -62,13 +68,26 @@ __all__ = [
     "lockstep",
 ]
 
-logger = logging.getLogger(__name__)
-
-_ROOT = ".queues"
-_STATE_VERSION = 1
+#: Top folder of every work queue's keys in a store.
+QUEUE_ROOT = ".queues"
 _KEY = re.compile(r"s(\d{1,9})\.(?:c(\d{1,9})(?:\.l(\d{1,15}))?|(done))")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,199}")
 _MAX_SLICES = 1_000_000
+
+
+def queue_prefix(
+    dataset_id: str | None = None,
+    version: str | None = None,
+    job: str | None = None,
+    run: str | None = None,
+) -> str:
+    """Return the key prefix of a store's queues, a version's, a job's or a run's."""
+    parts = [QUEUE_ROOT]
+    for part in (dataset_id, version, job, run):
+        if part is None:
+            break
+        parts.append(part)
+    return "/".join(parts) + "/"
 
 
 def _check_name(value: Any, what: str) -> str:
@@ -86,175 +105,6 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     if high is not None and value > high:
         raise InvalidArgumentError(f"{name} must be <= {high}, got {value!r}")
     return value
-
-
-def _union(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
-    out: list[Interval] = []
-    for a, b in sorted(i for i in intervals if i[0] < i[1]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return tuple(out)
-
-
-def _complement(intervals: Sequence[Interval], n: int) -> tuple[Interval, ...]:
-    out, last = [], 0
-    for a, b in _union(intervals):
-        if last < a:
-            out.append((last, a))
-        last = b
-    if last < n:
-        out.append((last, n))
-    return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class WorkQueueState:
-    """Which positions of which epochs a job's workers have consumed.
-
-    Take one per worker with ``QueueStream.state(consumed)`` at a checkpoint,
-    combine the workers' states with ``merge``, and start the job again with
-    ``ref.work_queue(job, resume=state)`` (any number of workers): nothing the
-    state counts as consumed is read again, everything else is.
-    """
-
-    dataset: str
-    num_records: int
-    seed: int
-    epoch: int
-    num_epochs: int
-    shuffle: Shuffle
-    block_window: int
-    num_slices: int
-    consumed: tuple[tuple[int, tuple[Interval, ...]], ...]
-
-    def __post_init__(self) -> None:
-        for name in ("num_records", "seed", "epoch", "num_epochs", "block_window", "num_slices"):
-            _check_int(f"state {name}", getattr(self, name), 0)
-        for e, intervals in self.consumed:
-            if not self.epoch <= e < self.epoch + self.num_epochs:
-                raise InvalidArgumentError(f"state names epoch {e} outside the job's epochs")
-            last = 0
-            for a, b in intervals:
-                if not last <= a < b <= self.num_records:
-                    raise InvalidArgumentError(
-                        f"state intervals {intervals} of epoch {e} are not sorted, disjoint "
-                        f"intervals within [0, {self.num_records})"
-                    )
-                last = b
-
-    def consumed_in(self, epoch: int) -> tuple[Interval, ...]:
-        """Return the consumed positions of ``epoch``."""
-        return dict(self.consumed).get(epoch, ())
-
-    @property
-    def remaining_records(self) -> int:
-        """Records of the job's epochs not consumed yet."""
-        done = sum(intervals_length(i) for _e, i in self.consumed)
-        return self.num_records * self.num_epochs - done
-
-    @classmethod
-    def merge(cls, states: Iterable[WorkQueueState]) -> WorkQueueState:
-        """Combine the states of all workers of one job (taken at one checkpoint).
-
-        Raises:
-            InvalidArgumentError: the states belong to different jobs or orders.
-        """
-        states = list(states)
-        if not states:
-            raise InvalidArgumentError("merge needs at least one state")
-        first = states[0]
-        for s in states[1:]:
-            if dataclasses.replace(s, consumed=()) != dataclasses.replace(first, consumed=()):
-                raise InvalidArgumentError(f"states of different jobs cannot merge: {s} vs {first}")
-        by_epoch: dict[int, list[Interval]] = {}
-        for s in states:
-            for e, intervals in s.consumed:
-                by_epoch.setdefault(e, []).extend(intervals)
-        consumed = tuple((e, _union(by_epoch[e])) for e in sorted(by_epoch))
-        return dataclasses.replace(first, consumed=tuple((e, i) for e, i in consumed if i))
-
-    def to_json(self) -> str:
-        """Return the state as a JSON string."""
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        doc["shuffle"] = self.shuffle.value
-        doc["consumed"] = [[e, [list(i) for i in ivs]] for e, ivs in self.consumed]
-        return json.dumps({"yogastore_queue_state": _STATE_VERSION, **doc}, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> WorkQueueState:
-        """Parse a state written by ``to_json``.
-
-        Raises:
-            InvalidArgumentError: the text is not a valid state.
-        """
-        if not isinstance(text, str | bytes) or len(text) > 64 << 20:
-            raise InvalidArgumentError("a work queue state is a JSON string of at most 64 MiB")
-        try:
-            doc = json.loads(text)
-            if not isinstance(doc, dict) or doc.get("yogastore_queue_state") != _STATE_VERSION:
-                raise ValueError("not a yogastore work queue state of a known version")
-            consumed = []
-            for e, ivs in doc["consumed"]:
-                pairs = [(a, b) for a, b in ivs]
-                if any(type(v) is not int for v in itertools.chain([e], *pairs)):
-                    raise ValueError("epochs and positions must be integers")
-                consumed.append((e, tuple(pairs)))
-            return cls(
-                dataset=str(doc["dataset"]),
-                num_records=doc["num_records"],
-                seed=doc["seed"],
-                epoch=doc["epoch"],
-                num_epochs=doc["num_epochs"],
-                shuffle=Shuffle(doc["shuffle"]),
-                block_window=doc["block_window"],
-                num_slices=doc["num_slices"],
-                consumed=tuple(consumed),
-            )
-        except (ValueError, KeyError, TypeError, RecursionError) as err:
-            raise InvalidArgumentError(f"invalid work queue state {text!r:.200}: {err}") from err
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class QueueStatus:
-    """A job's progress, from one listing of its keys per epoch.
-
-    ``workers`` maps each worker to the number of slices it completed;
-    ``claimed`` counts slices held under a live lease, ``expired`` those whose
-    holder stopped renewing (they are taken over by the next claim).
-    """
-
-    job: str
-    epochs: tuple[int, ...]
-    slices: int
-    done: int
-    claimed: int
-    expired: int
-    free: int
-    workers: dict[str, int]
-
-    @property
-    def finished(self) -> bool:
-        """Whether every slice of every epoch is done."""
-        return self.done == self.slices
-
-
-@dataclasses.dataclass(slots=True)
-class _Slice:
-    epoch: int  # absolute epoch
-    index: int
-    intervals: tuple[Interval, ...]
-    gen: int = 0
-    lease_key: str | None = None
-    left: int = 0  # records the consumer has still to take
-
-
-@dataclasses.dataclass(slots=True)
-class _SliceState:
-    gen: int = -1  # highest claim generation, -1: never claimed
-    expires_ms: int = 0  # latest lease expiry of that generation, 0: unknown
-    done: bool = False
 
 
 class WorkQueue:
@@ -305,11 +155,11 @@ class WorkQueue:
             "block_window", template.block_window if block_window is None else block_window, 1
         )
         self.resumed_from = resume
-        run = "fresh"
+        self.run = "fresh"
         if resume is not None:
-            run = "r" + hashlib.sha256(resume.to_json().encode()).hexdigest()[:16]
-        self.prefix = f"{_ROOT}/{ref.dataset_id}/{ref.version}/{self.job}/{run}/"
-        self._params = {
+            self.run = "r" + hashlib.sha256(resume.to_json().encode()).hexdigest()[:16]
+        self.prefix = queue_prefix(ref.dataset_id, ref.version, self.job, self.run)
+        self._params: dict[str, Any] = {
             "dataset": ref.fingerprint,
             "num_records": ref.num_records,
             "num_slices": self.num_slices,
@@ -319,6 +169,9 @@ class WorkQueue:
             "num_epochs": self.num_epochs,
             "block_window": self.block_window,
         }
+        if resume is not None:
+            # Lets status and the command line rebuild this run from the store alone.
+            self._params["resume"] = resume.to_json()
         self._checked = False
 
     def __repr__(self) -> str:
@@ -342,7 +195,7 @@ class WorkQueue:
         """Return the positions of ``epoch`` the job reads (all, or a resume's remainder)."""
         n = self.ref.num_records
         if self.resumed_from is not None:
-            return _complement(self.resumed_from.consumed_in(epoch), n)
+            return complement(self.resumed_from.consumed_in(epoch), n)
         return ((0, n),) if n else ()
 
     def slice_intervals(self, epoch: int, index: int) -> tuple[Interval, ...]:
@@ -362,11 +215,12 @@ class WorkQueue:
         try:
             self.backend.put_exclusive(key, doc)
         except KeyExistsError:
-            try:
-                stored = json.loads(bytes(self.backend.get(key)))
-            except (ValueError, RecursionError) as err:
-                raise CorruptCacheError(f"work queue record {key!r} is not valid JSON") from err
+            stored = self.read_json(key)
             if stored != self._params:
+                if not isinstance(stored, dict):
+                    raise CorruptCacheError(
+                        f"work queue record {key!r} is not a JSON object"
+                    ) from None
                 diff = sorted(
                     k
                     for k in set(stored) | set(self._params)
@@ -381,16 +235,22 @@ class WorkQueue:
                 ) from None
         self._checked = True
 
-    def read_epoch(self, epoch: int) -> dict[int, _SliceState]:
+    def read_json(self, key: str) -> Any:
+        """Return the JSON value stored under ``key`` (``CorruptCacheError`` if it is not)."""
+        return boundedjson.loads(
+            self.backend.get(key), f"work queue key {key!r}", CorruptCacheError
+        )
+
+    def read_epoch(self, epoch: int) -> dict[int, ListedSlice]:
         """Return the state of every slice of ``epoch`` that has keys, from one listing."""
         base = f"{self.prefix}e{epoch}/"
-        states: dict[int, _SliceState] = {}
+        states: dict[int, ListedSlice] = {}
         for key in self.backend.list(base):
             m = _KEY.fullmatch(key[len(base) :])
             if m is None:
                 continue  # not ours; never fatal
             index = int(m.group(1))
-            st = states.setdefault(index, _SliceState())
+            st = states.setdefault(index, ListedSlice())
             if m.group(4):
                 st.done = True
             elif m.group(3) is not None:
@@ -407,283 +267,91 @@ class WorkQueue:
 
     def claim_expiry(self, epoch: int, index: int, gen: int) -> int:
         """Return the first lease expiry (ms) written in a claim's value."""
+        return self.claim_record(epoch, index, gen)[1]
+
+    def claim_record(self, epoch: int, index: int, gen: int) -> tuple[str, int]:
+        """Return the worker and first lease expiry (ms) of a claim ("", 0 if it is gone)."""
         key = f"{self.prefix}e{epoch}/s{index:06d}.c{gen}"
         try:
-            doc = json.loads(bytes(self.backend.get(key)))
-            return _check_int("expires_ms", doc["expires_ms"], 0)
+            doc = self.read_json(key)
+            return str(doc["worker"]), _check_int("expires_ms", doc["expires_ms"], 0)
         except KeyNotFoundError:
-            return 0
-        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            return "", 0
+        except (InvalidArgumentError, KeyError, TypeError) as err:
             raise CorruptCacheError(f"work queue claim {key!r} is not valid: {err}") from err
 
-    def stream(self, worker: str, *, prefetch: int | None = None) -> QueueStream:
+    def stream(self, worker: str, *, prefetch: int | None = None, wait: bool = True) -> QueueStream:
         """Return the stream of records this worker claims from the queue.
 
         Args:
             worker: a name for this worker (shown by ``status``), e.g. ``host3-rank1``.
             prefetch: batches read ahead on a background thread, as for ``stream``.
+            wait: when no slice is free, wait while other workers hold the last
+                ones and take over any whose lease expires (so a dead worker's
+                slice is still read). Pass ``False`` in synchronous training:
+                there a rank waiting for another's slice would block that
+                rank's collectives, and a dead rank stops the job anyway.
         """
         _check_name(worker, "worker name")
+        if not isinstance(wait, bool):
+            raise InvalidArgumentError(f"wait must be True or False, got {wait!r}")
         self.check_job()
-        return QueueStream(self, worker, prefetch=prefetch)
+        return QueueStream(self, worker, prefetch=prefetch, wait=wait)
 
     def status(self) -> QueueStatus:
-        """Return the job's progress (one listing per epoch, one read per done slice)."""
+        """Return the job's progress: one listing per epoch, one read per done or claimed slice."""
         now = int(time.time() * 1000)
-        slices = done = claimed = expired = 0
         workers: dict[str, int] = {}
+        per_epoch = []
+        leases = []
         for e in self.epochs:
             states = self.read_epoch(e)
+            counts = dict.fromkeys(("slices", "done", "claimed", "expired"), 0)
             for index in range(self.num_slices):
                 if not self.slice_intervals(e, index):
                     continue
-                slices += 1
-                st = states.get(index, _SliceState())
+                counts["slices"] += 1
+                st = states.get(index, ListedSlice())
                 if st.done:
-                    done += 1
+                    counts["done"] += 1
                     try:
-                        key = f"{self.prefix}e{e}/s{index:06d}.done"
-                        doc = json.loads(bytes(self.backend.get(key)))
+                        doc = self.read_json(f"{self.prefix}e{e}/s{index:06d}.done")
                         name = str(doc["worker"])
-                    except (ValueError, KeyError, TypeError, RecursionError):
-                        name = "?"
+                    except (YogaStoreError, KeyError, TypeError):
+                        name = "?"  # a damaged done marker still means done
                     workers[name] = workers.get(name, 0) + 1
                 elif st.gen >= 0:
-                    expiry = st.expires_ms or self.claim_expiry(e, index, st.gen)
-                    if expiry > now:
-                        claimed += 1
-                    else:
-                        expired += 1
+                    holder, first = self.claim_record(e, index, st.gen)
+                    expiry = st.expires_ms or first
+                    live = expiry > now
+                    counts["claimed" if live else "expired"] += 1
+                    leases.append(Lease(epoch=e, index=index, worker=holder, expires_ms=expiry))
+            per_epoch.append(EpochCounts(epoch=e, **counts))
         return QueueStatus(
             job=self.job,
+            run=self.run,
             epochs=tuple(self.epochs),
-            slices=slices,
-            done=done,
-            claimed=claimed,
-            expired=expired,
-            free=slices - done - claimed - expired,
+            per_epoch=tuple(per_epoch),
             workers=workers,
+            leases=tuple(leases),
+            now_ms=now,
         )
 
     def delete(self) -> None:
         """Remove every key of this job (all runs: fresh and resumed)."""
-        job_prefix = self.prefix.rsplit("/", 2)[0] + "/"
-        self.backend.delete_prefix(job_prefix)
+        self.backend.delete_prefix(queue_prefix(self.ref.dataset_id, self.ref.version, self.job))
         self._checked = False
-
-
-class QueueAssignment(Assignment):
-    """A worker's claims from a ``WorkQueue``: slice after slice until all are done."""
-
-    def __init__(self, queue: WorkQueue, worker: str, *, poll_seconds: float | None = None) -> None:
-        self.queue = queue
-        self.worker = worker
-        self.poll = poll_seconds if poll_seconds is not None else min(1.0, queue.lease_seconds / 4)
-        self._mutex = threading.Lock()
-        self._held: deque[_Slice] = deque()  # claimed, not all consumed, in reading order
-        self._taken: list[_Slice] = []  # every slice handed out, in reading order
-        self._complete: set[int] = set()  # epochs with every slice done
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
-        self._stash: _Slice | None = None  # claimed by wait_for_work, read next
-        self.claims = 0  # successful claims (statistics)
-        self.takeovers = 0
-
-    # Claims ------------------------------------------------------------------------
-
-    def _expiry_ms(self) -> int:
-        return int((time.time() + self.queue.lease_seconds) * 1000)
-
-    def _try_claim(self, epoch: int, index: int, gen: int) -> _Slice | None:
-        q = self.queue
-        key = f"{q.prefix}e{epoch}/s{index:06d}.c{gen}"
-        doc = {"worker": self.worker, "expires_ms": self._expiry_ms()}
-        try:
-            q.backend.put_exclusive(key, json.dumps(doc).encode())
-        except KeyExistsError:
-            return None
-        piece = _Slice(epoch, index, q.slice_intervals(epoch, index), gen)
-        piece.left = intervals_length(piece.intervals)
-        return piece
-
-    def _scan(self) -> tuple[_Slice | None, bool]:
-        """Claim the next free (or expired) slice.
-
-        Returns:
-            The claimed slice (or ``None``), and whether other workers still
-            hold live claims on unfinished slices.
-        """
-        q = self.queue
-        waiting = False
-        now = int(time.time() * 1000)
-        with self._mutex:
-            mine = {(p.epoch, p.index, p.gen) for p in self._held}
-        for e in q.epochs:
-            if e in self._complete:
-                continue
-            states = q.read_epoch(e)
-            pending = False
-            for index in range(q.num_slices):
-                st = states.get(index)
-                if (st is not None and st.done) or not q.slice_intervals(e, index):
-                    continue
-                if st is None or st.gen < 0:
-                    got = self._try_claim(e, index, 0)
-                elif (e, index, st.gen) in mine:
-                    pending = True  # ours, still being consumed
-                    continue
-                else:
-                    expiry = st.expires_ms or q.claim_expiry(e, index, st.gen)
-                    if expiry > now:
-                        pending = True
-                        continue
-                    got = self._try_claim(e, index, st.gen + 1)
-                    if got is not None:
-                        self.takeovers += 1
-                        logger.warning(
-                            "worker %s took over slice %d of epoch %d of job %s "
-                            "(its lease expired); it is read again whole",
-                            self.worker,
-                            index,
-                            e,
-                            q.job,
-                        )
-                if got is not None:
-                    self.claims += 1
-                    return got, True
-                pending = True  # someone else won it just now
-            if not pending:
-                self._complete.add(e)
-            waiting = waiting or pending
-        return None, waiting
-
-    def wait_for_work(self) -> bool:
-        """Wait while other workers hold the last slices; claim one if its lease expires.
-
-        Called once everything this worker claimed has been consumed.
-
-        Returns:
-            Whether a slice was claimed (the stream reads on), or every slice is done.
-        """
-        while True:
-            piece, waiting = self._scan()
-            if piece is not None:
-                self._stash = piece
-                return True
-            if not waiting or self._stop.wait(self.poll):
-                return False
-
-    def finish_all(self) -> None:
-        """Mark every held slice done: the stream handed out (or dropped) all of it."""
-        with self._mutex:
-            held = list(self._held)
-            self._held.clear()
-        for piece in held:
-            self._finish(piece)
-
-    # Leases ------------------------------------------------------------------------
-
-    def _renew(self, piece: _Slice) -> None:
-        q = self.queue
-        key = f"{q.prefix}e{piece.epoch}/s{piece.index:06d}.c{piece.gen}.l{self._expiry_ms()}"
-        q.backend.put(key, b"")
-        old, piece.lease_key = piece.lease_key, key
-        if old is not None and old != key:
-            q.backend.delete(old)
-
-    def _renew_loop(self) -> None:
-        interval = self.queue.lease_seconds / 3
-        while not self._stop.wait(interval):
-            with self._mutex:
-                held = list(self._held)
-            for piece in held:
-                try:
-                    self._renew(piece)
-                except Exception as err:  # retried next round
-                    logger.warning("renewing the lease of a slice failed (retrying): %s", err)
-
-    def _finish(self, piece: _Slice) -> None:
-        q = self.queue
-        key = f"{q.prefix}e{piece.epoch}/s{piece.index:06d}.done"
-        doc = {
-            "worker": self.worker,
-            "gen": piece.gen,
-            "records": intervals_length(piece.intervals),
-        }
-        # KeyExistsError: a takeover finished it too; the records were read twice.
-        with contextlib.suppress(KeyExistsError):
-            q.backend.put_exclusive(key, json.dumps(doc).encode())
-        if piece.lease_key is not None:
-            q.backend.delete(piece.lease_key)
-            piece.lease_key = None
-
-    # Assignment --------------------------------------------------------------------
-
-    def spans(self) -> Iterator[Span]:
-        if self._renewer is None or not self._renewer.is_alive():
-            self._stop.clear()
-            self._renewer = threading.Thread(
-                target=self._renew_loop, name="yogastore-lease", daemon=True
-            )
-            self._renewer.start()
-        while True:
-            piece, self._stash = self._stash, None
-            if piece is None:
-                piece, _waiting = self._scan()
-            if piece is None:
-                return  # nothing claimable now; see wait_for_work
-            with self._mutex:
-                self._held.append(piece)
-                self._taken.append(piece)
-            yield piece.epoch - self.queue.epoch, piece.intervals
-
-    def consume(self, count: int) -> None:
-        while count > 0:
-            with self._mutex:
-                if not self._held:
-                    return
-                piece = self._held[0]
-                take = min(count, piece.left)
-                piece.left -= take
-                count -= take
-                finished = piece.left == 0
-                if finished:
-                    self._held.popleft()
-            if finished:
-                self._finish(piece)
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def consumed(self, count: int) -> dict[int, list[Interval]]:
-        """Return the positions per epoch of the first ``count`` records handed out."""
-        out: dict[int, list[Interval]] = {}
-        with self._mutex:
-            taken = list(self._taken)
-        for piece in taken:
-            if count <= 0:
-                break
-            n = intervals_length(piece.intervals)
-            part = piece.intervals if count >= n else tuple(_prefix(piece.intervals, count))
-            out.setdefault(piece.epoch, []).extend(part)
-            count -= n
-        return out
-
-
-def _prefix(intervals: Sequence[Interval], count: int) -> Iterator[Interval]:
-    for a, b in intervals:
-        if count <= 0:
-            return
-        yield a, min(b, a + count)
-        count -= b - a
 
 
 class QueueStream(Stream):
     """A worker's records from a ``WorkQueue``. Build it with ``WorkQueue.stream``."""
 
-    def __init__(self, queue: WorkQueue, worker: str, *, prefetch: int | None = None) -> None:
+    def __init__(
+        self, queue: WorkQueue, worker: str, *, prefetch: int | None = None, wait: bool = True
+    ) -> None:
         self.queue = queue
         self.worker = worker
+        self.wait = wait
         self.claims = QueueAssignment(queue, worker)
         super().__init__(
             queue.ref,
@@ -722,14 +390,15 @@ class QueueStream(Stream):
         """Yield column batches of claimed slices until every slice of the job is done.
 
         A round reads slices while any is free. When none is, everything this
-        worker claimed has been handed out; it then waits while other workers
-        hold the last slices, and reads on if one of their leases expires.
+        worker claimed has been handed out; it then waits (unless built with
+        ``wait=False``) while other workers hold the last slices, and reads on
+        if one of their leases expires.
         """
         try:
             while True:
                 yield from super().column_batches(batch_size, drop_remainder)
                 self.claims.finish_all()
-                if not self.claims.wait_for_work():
+                if not self.wait or not self.claims.wait_for_work():
                     return
         finally:
             self.claims.close()
@@ -761,7 +430,7 @@ class QueueStream(Stream):
             shuffle=q.shuffle,
             block_window=q.block_window,
             num_slices=q.num_slices,
-            consumed=tuple((e, _union(merged[e])) for e in sorted(merged)),
+            consumed=tuple((e, union(merged[e])) for e in sorted(merged)),
         )
 
 
@@ -774,6 +443,8 @@ def lockstep(batches: Iterable[Any], any_rank_has_data: Callable[[bool], bool]) 
     ``any_rank_has_data(flag)`` is the one collective per step (for example a
     max all-reduce of ``flag`` across ranks). A ``None`` step should run the
     training step with zero weight (or call ``hvd.join()`` once and stop).
+    Read the queue with ``queue.stream(worker, wait=False)``: a rank must not
+    wait for a slice another rank holds while that rank waits in a collective.
     """
     it = iter(batches)
     exhausted = False

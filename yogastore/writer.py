@@ -115,8 +115,12 @@ def write_dataset(
     upload_workers: int = 1,
     build_id: str | None = None,
     source_fingerprint: str | None = None,
+    replace: bool = False,
 ) -> Manifest:
     """Write every record of ``items`` as chunks, then commit the manifest.
+
+    The manifest is created only if absent, or with ``replace`` (a rebuild by
+    the holder of the version's build lock) written over the committed one.
 
     Chunk keys are ``<dataset>/<version>/c-<build_id>-<n>`` (``build_id``:
     random unless given), so a caller can delete one build's chunks.
@@ -201,7 +205,10 @@ def write_dataset(
         },
         source_fingerprint=source_fingerprint,
     )
-    backend.put_exclusive(prefix + "manifest.json", manifest.to_json())
+    if replace:
+        backend.put(prefix + "manifest.json", manifest.to_json())
+    else:
+        backend.put_exclusive(prefix + "manifest.json", manifest.to_json())
     elapsed = time.perf_counter() - started
     logger.info(
         "cached %s/%s: %d records, %d chunks, %.1f MB in %.2fs (%.0f records/s)",
