@@ -164,6 +164,20 @@ class Backend(abc.ABC):
         """
         return self._disk_usage(_check_prefix(prefix))
 
+    def check_mapped(self, key: str) -> None:
+        """Raise if buffers read earlier from where ``key`` lives can no longer be read.
+
+        Backends returning memory-mapped views check that the mapped file did
+        not shrink (reading it would kill the process with ``SIGBUS``); others
+        have nothing to check. Cheap: call it before each batch read from
+        such views. ``key`` (any key of the dataset) only names where to look,
+        and is not validated here: this runs before every batch.
+
+        Raises:
+            CorruptCacheError: the file was truncated under this process.
+        """
+        self._check_mapped(key)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; buffers returned earlier become invalid."""
 
@@ -203,6 +217,9 @@ class Backend(abc.ABC):
             self._delete(key)
 
     def _delete_lock(self, name: str) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _check_mapped(self, key: str) -> None:  # noqa: B027 - optional hook
         pass
 
     def _disk_usage(self, prefix: str) -> int:

@@ -18,6 +18,20 @@ the per-process and fork ones):
   checked (``lmdb.verify``, a reader that never maps the file) under LMDB's
   writer lock, so a damaged page is a ``CorruptCacheError`` naming the file
   instead of a ``SIGBUS`` inside LMDB.
+* LMDB never shrinks a data file, so a file smaller than this process last saw
+  it was truncated by an outside fault: every read, and ``check_mapped``
+  before each batch gathered from views of it, compares the open file's size
+  (one ``fstat``) and raises ``CorruptCacheError`` instead of touching pages
+  that are gone (``SIGBUS``). A truncation between that check and the copy is
+  not caught: that race is documented, not closed.
+* A data file deleted or replaced by another process (``delete``, a rebuild)
+  reads as missing keys, never as damage; a data file or version directory
+  that is not a regular file (a FIFO, a device) is ``CorruptCacheError`` at
+  open, before anything could block on it.
+* ``list`` skips (with a warning) an environment that cannot be opened or is
+  damaged, so one bad version never hides the others; ``delete_prefix``
+  removes files without opening them, retrying while a reader in another
+  process briefly recreates a lock file in the directory being removed.
 * A full disk is a ``StorageError`` (``ENOSPC``) saying how much space is
   missing; other LMDB failures are ``StorageError`` or ``CorruptCacheError``.
 """
@@ -30,7 +44,6 @@ import errno
 import fcntl
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -52,13 +65,15 @@ from storage_backends.errors import (
     KeyNotFoundError,
     LockTimeoutError,
     StorageError,
+    YogaStoreError,
 )
+from storage_backends.lmdb_env_files import DATA_FILE, check_files, open_data_file, remove_tree
 
 __all__ = ["LmdbBackend", "translate_error"]
 
 logger = logging.getLogger(__name__)
 
-_DATA_FILE = "data.mdb"
+_DATA_FILE = DATA_FILE
 _LOCK_FILE = "lock.mdb"
 _INITIAL_MAP_SIZE = 1 << 34  # address space only; the file grows as written
 _LOCK_SUFFIX = ".lock"
@@ -120,21 +135,54 @@ class _Snapshot:
         return memoryview(holder).cast("B").toreadonly()
 
 
+class _Vanished(Exception):
+    """The environment's data file was deleted or replaced by another process."""
+
+
+def _proc_fd_path(fd: int) -> str | None:
+    """Return a path that opens exactly the file behind ``fd``, where the OS has one."""
+    path = f"/proc/self/fd/{fd}"
+    return path if os.path.exists(path) else None
+
+
 class _Env:
     """One open environment: fresh, verified snapshots and translated errors."""
 
-    def __init__(self, path: Path, env: Any) -> None:
+    def __init__(self, path: Path, env: Any, fd: int) -> None:
         self.path = path
         self.env = env
+        self.fd = fd  # the data file LMDB mapped, for fstat (size, deletion)
         self.mutex = threading.Lock()
         self.snapshot: _Snapshot | None = None
         self.live: weakref.WeakSet[_Snapshot] = weakref.WeakSet()
         self.verified = -1  # last transaction id whose file structure was checked
+        self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
 
     # Reading ------------------------------------------------------------------
 
+    def check_size(self) -> None:
+        """Raise unless the data file is at least as large as last seen (``mutex`` held).
+
+        Raises:
+            _Vanished: the file was deleted (or replaced) meanwhile.
+            CorruptCacheError: the file shrank: touching its mapped pages
+                would kill the process with ``SIGBUS``.
+        """
+        st = os.fstat(self.fd)
+        if st.st_nlink == 0:
+            raise _Vanished
+        if st.st_size < self.seen:
+            self.snapshot = None
+            raise _corrupt(
+                self.path,
+                f"the file shrank from {self.seen:,} to {st.st_size:,} bytes while this "
+                "process had it open (truncated by something other than LMDB)",
+            )
+        self.seen = st.st_size
+
     def _current(self) -> _Snapshot:
         """Return a snapshot of the last commit (call with ``mutex`` held)."""
+        self.check_size()  # before LMDB reads its meta pages from the map
         snap = self.snapshot
         last = int(self.env.info()["last_txnid"])
         if snap is not None and snap.txnid == last:
@@ -164,22 +212,28 @@ class _Env:
 
         Runs under LMDB's writer lock where it can, so no commit changes the
         file meanwhile; a read-only store is checked without it, and a
-        finding is trusted only if no commit happened during the check.
+        finding is trusted only if no commit happened during the check. The
+        file checked is the one this environment mapped (through its open
+        descriptor), even if another process deleted or replaced the path.
         """
+        target = _proc_fd_path(self.fd) or str(self.path / _DATA_FILE)
         for _ in range(3):
             locked = None
             with contextlib.suppress(lmdb.Error):
                 locked = self.env.begin(write=True)
             before = int(self.env.info()["last_txnid"])
             try:
-                problems = lmdb.verify.verify(str(self.path))  # type: ignore[no-untyped-call]
+                size = os.fstat(self.fd).st_size
+                problems = lmdb.verify.verify(target, subdir=False)  # type: ignore[no-untyped-call]
             except (lmdb.verify.VerifyError, OSError) as err:
                 problems = [str(err)]
             finally:
                 if locked is not None:
                     locked.abort()
             if not problems:
+                self.seen = max(self.seen, size)
                 return
+            self.check_size()  # a deleted file is not a damaged one
             if locked is not None or int(self.env.info()["last_txnid"]) == before:
                 raise _corrupt(self.path, "; ".join(problems[:3]))
         raise _corrupt(self.path, "; ".join(problems[:3]))
@@ -189,6 +243,8 @@ class _Env:
             try:
                 snap = self._current()
                 value = snap.txn.get(key)
+            except _Vanished:
+                return None
             except lmdb.Error as err:
                 raise translate_error(err, self.path, "read") from err
             return None if value is None else snap.pin(value)
@@ -198,12 +254,34 @@ class _Env:
             try:
                 snap = self._current()
                 return [bytes(k).decode() for k in snap.txn.cursor().iternext(values=False)]
+            except _Vanished:
+                return []
             except lmdb.Error as err:
                 raise translate_error(err, self.path, "listing") from err
 
+    def check_mapped(self) -> None:
+        """Raise ``CorruptCacheError`` if views of this file could no longer be read."""
+        st = os.fstat(self.fd)  # lock-free: ``seen`` only grows
+        if st.st_nlink and st.st_size < self.seen:
+            with self.mutex:
+                self.check_size()
+        # An unlinked file keeps its pages: views of it stay readable.
+
     # Writing ------------------------------------------------------------------
 
+    def _writable(self) -> None:
+        """Refuse to write into a file that shrank or vanished (LMDB would read its map)."""
+        with self.mutex:
+            try:
+                self.check_size()
+            except _Vanished:
+                raise StorageError(
+                    errno.ENOENT,
+                    f"{self.path / _DATA_FILE} was deleted by another process while open here",
+                ) from None
+
     def write(self, key: bytes, data: bytes | memoryview, overwrite: bool) -> bool:
+        self._writable()
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -214,6 +292,7 @@ class _Env:
                 raise translate_error(err, self.path, "write", needed=len(data)) from err
 
     def delete(self, key: bytes) -> None:
+        self._writable()
         try:
             with self.env.begin(write=True) as txn:
                 txn.delete(key)
@@ -248,6 +327,8 @@ class _Env:
         with self.mutex:
             self.snapshot = None
             self.env.close()
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
 
 # Environments set aside while views of them may be alive (file deleted or
@@ -294,7 +375,7 @@ def _root_from_url(url: str) -> Path:
 
 def _open(path: Path, create: bool) -> tuple[Any, _Env]:
     data = path / _DATA_FILE
-    size = data.stat().st_size if data.exists() else 0
+    size = check_files(path)
     try:
         if create:
             path.mkdir(parents=True, exist_ok=True)
@@ -327,7 +408,14 @@ def _open(path: Path, create: bool) -> tuple[Any, _Env]:
         )
     except lmdb.Error as err:
         raise translate_error(err, path, "open", needed=1 if create else 0) from err
-    wrapped = _Env(path, env)
+    try:
+        fd = open_data_file(path)
+    except BaseException as err:
+        env.close()
+        if isinstance(err, OSError) and not isinstance(err, YogaStoreError):
+            raise StorageError(err.errno, f"cannot open {data}: {err}") from err
+        raise
+    wrapped = _Env(path, env, fd)
     return env, wrapped
 
 
@@ -340,7 +428,15 @@ class LmdbBackend(Backend):
         if options:
             raise InvalidArgumentError(f"unknown LMDB backend options: {sorted(options)}")
         super().__init__(url)
+        if not str(url).strip():
+            raise InvalidArgumentError("the store path is empty; pass a directory")
         self.root = _root_from_url(url).expanduser().resolve()
+        self._root = str(self.root)
+        if self.root.exists() and not self.root.is_dir():
+            raise InvalidArgumentError(
+                f"store path {self.root} is not a directory; pass a directory (it is "
+                "created on the first build)"
+            )
 
     def _split(self, key: str) -> tuple[Path, bytes]:
         directory, _, name = key.rpartition("/")
@@ -353,10 +449,24 @@ class LmdbBackend(Backend):
             env: _Env = entry.extra
             return env
         if not create and not os.path.exists(data):
+            check_files(path)  # a version "directory" that is a file is damage
             return None
-        entry = lmdb_env.acquire(str(path), data, lambda: _open(path, create), _stale)
+        try:
+            entry = lmdb_env.acquire(str(path), data, lambda: _open(path, create), _stale)
+        except (StorageError, CorruptCacheError):
+            if not create and not os.path.exists(data):
+                return None  # deleted by another process while being opened: missing
+            raise
         opened: _Env = entry.extra
         return opened
+
+    def _check_mapped(self, key: str) -> None:
+        # One fstat of the environment's data file, if this process has it open
+        # (no path resolution: this runs before every batch gathered).
+        directory = key.rpartition("/")[0]
+        entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
+        if entry is not None:
+            entry.extra.check_mapped()
 
     def _get(self, key: str) -> Buffer:
         path, name = self._split(key)
@@ -412,10 +522,15 @@ class LmdbBackend(Backend):
             if _DATA_FILE not in files:
                 continue
             rel = Path(dirpath).relative_to(self.root).as_posix()
-            env = self._env(Path(dirpath), create=False)
-            if env is None:
+            try:
+                env = self._env(Path(dirpath), create=False)
+                names = env.names() if env is not None else []
+            except (CorruptCacheError, StorageError) as err:
+                # One damaged (or unreadable) environment must not hide the
+                # others; ``delete_prefix`` removes it without opening it.
+                logger.warning("skipping %s: %s", dirpath, err)
                 continue
-            for name in env.names():
+            for name in names:
                 key = name if rel == "." else f"{rel}/{name}"
                 if key.startswith(prefix):
                     yield key
@@ -434,15 +549,14 @@ class LmdbBackend(Backend):
                 if entry is not None:
                     lmdb_env.release(dirpath, entry)
                     _set_aside(entry.extra)  # closed once no view of it is alive
-        if base.is_dir():
-            try:
-                shutil.rmtree(base)
-            except OSError as err:
-                raise StorageError(err.errno, f"cannot delete {base}: {err}") from err
+        remove_tree(base)
 
     def _disk_usage(self, prefix: str) -> int:
         base = self.root / prefix.rstrip("/") if prefix else self.root
         total = 0
+        if prefix and not base.is_dir():  # a version that is a stray file
+            with contextlib.suppress(OSError):
+                total += os.lstat(base).st_blocks * 512
         for dirpath, _dirs, files in os.walk(base):
             for name in files:
                 with contextlib.suppress(OSError):
@@ -455,8 +569,13 @@ class LmdbBackend(Backend):
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.01
         while True:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+            except FileNotFoundError:
+                continue  # its folder was removed (empty) by a delete or gc meanwhile
+            except OSError as err:
+                raise StorageError(err.errno, f"cannot open lock file {path}: {err}") from err
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -484,8 +603,14 @@ class LmdbBackend(Backend):
             os.close(fd)
 
     def _delete_lock(self, name: str) -> None:
+        path = self.root / (name + _LOCK_SUFFIX)
         with contextlib.suppress(FileNotFoundError):
-            (self.root / (name + _LOCK_SUFFIX)).unlink()
+            path.unlink()
+        # The dataset's folder goes with its last version (never the root).
+        parent = path.parent
+        if parent != self.root and self.root in parent.parents:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
     def close(self) -> None:
         """Close the environments under this backend's root that have no live views."""

@@ -29,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from storage_backends.errors import StorageError
+from storage_backends.errors import CorruptCacheError, StorageError
 
 __all__ = [
     "Entry",
@@ -42,6 +43,7 @@ __all__ = [
     "free_bytes",
     "keys_under",
     "lookup",
+    "peek",
     "release",
     "reserve_lock_file",
     "was_inherited",
@@ -119,9 +121,16 @@ def reserve_lock_file(lock_file: str) -> None:
 
     Raises:
         StorageError: ``ENOSPC``, the disk is full.
+        CorruptCacheError: the lock file is a FIFO, a device or a socket.
     """
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCacheError(
+                f"LMDB lock file {lock_file} is not a regular file; delete this dataset "
+                "version (`yogastore delete ID VERSION`) and build it again"
+            )
         size = max(os.fstat(fd).st_size, LOCK_FILE_BYTES)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -159,6 +168,14 @@ def lookup(
     if on_stale is not None:
         on_stale(entry)
     return None
+
+
+def peek(key: str) -> Entry | None:
+    """Return the entry of ``key`` without checking that its file is still in place.
+
+    Lock-free (one dictionary read): for checks run before every batch.
+    """
+    return _ENTRIES.get(key)
 
 
 def acquire(

@@ -189,3 +189,26 @@ def test_progress_total_and_log_lines_when_not_a_tty(tmp_path: Path, capfd) -> N
     err = capfd.readouterr().err
     assert "caching p/1: 300/300 records, 100.0%" in err
     assert "done in" in err
+
+
+def test_structure_change_names_the_component(tmp_path: Path) -> None:
+    import collections
+
+    point = collections.namedtuple("point", "a b")
+    other = collections.namedtuple("other", "a b")
+    inner = collections.namedtuple("inner", "k")
+    c = yogastore.ComponentSpec(shape=(), dtype="int64")
+    store = yogastore.Store(tmp_path)
+    store.cache("n", "1", lambda: [point(np.int64(1), {"k": np.int64(2)})], spec=point(c, {"k": c}))
+    cases = [
+        ({"a": c, "b": {"k": c}}, r"<element>: cached namedtuple point\(a, b\) vs source a dict"),
+        (
+            other(c, {"k": c}),
+            r"<element>: cached namedtuple point\(a, b\) vs source namedtuple other",
+        ),
+        (point(c, inner(c)), r"b: cached a dict with keys \['k'\] vs source namedtuple inner\(k\)"),
+        (point(c, {"j": c}), r"b/j: cached no such component vs source tensor int64"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(StaleCacheError, match=message):
+            store.cache("n", "1", lambda: [], spec=spec)

@@ -216,3 +216,12 @@ def test_position_dataset_with_element_map_keeps_steps(tmp_path: Path) -> None:
     b = [(m["id"].numpy().tolist(), m["twice"].numpy().tolist()) for m in mapped]
     assert [ids for ids, _ in b] == a
     assert all(t == [2 * i for i in ids] for ids, t in b)
+
+
+def test_dataset_fn_global_batch_must_split_over_replicas(tmp_path: Path) -> None:
+    ref = make_ref(tmp_path, 80)
+    fn = dataset_fn(StreamPosition(ref, seed=SEED), 8)
+    with pytest.raises(InvalidArgumentError, match="global_batch_size=8 does not split evenly"):
+        fn(tf.distribute.InputContext(1, 0, 3))
+    ds = fn(tf.distribute.InputContext(2, 0, 4))  # 2 pipelines of 2 replicas of 2 records
+    assert next(iter(ds))["id"].shape == [2]

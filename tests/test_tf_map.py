@@ -128,3 +128,105 @@ def test_element_map_unbatched_and_padding_value(text_ref: yogastore.DatasetRef)
     assert head == [[0, -1, -1], [1, 2, -1], [2, 3, 4]]
     sizes = [len(b["id"]) for b in padded]
     assert sizes == [3] * 7 + [1], "the last, smaller batch is kept without drop_remainder"
+
+
+def _varlen_source() -> tf.data.Dataset:
+    """Records {"id": i, "v": [0, ..., i % 4 - 1]}: a variable-length dense component."""
+    return tf.data.Dataset.range(11).map(lambda i: {"id": i, "v": tf.range(i % 4)})
+
+
+@pytest.fixture
+def varlen_ref(tmp_path: Path) -> yogastore.DatasetRef:
+    return yogastore.Store(tmp_path).cache("varlen", "1", _varlen_source)
+
+
+def _values(batch: dict[str, Any]) -> Any:
+    v = batch["v"]
+    return v.to_list() if isinstance(v, tf.RaggedTensor) else v.numpy().tolist()
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True], ids=["keep", "drop"])
+@pytest.mark.parametrize("identity", [False, True], ids=["no-map", "identity-map"])
+@pytest.mark.parametrize("batching", [Batching.PADDED, Batching.RAGGED], ids=lambda b: b.name)
+def test_padded_and_ragged_batches_of_cached_variable_length(
+    varlen_ref: yogastore.DatasetRef, batching: Batching, identity: bool, drop_remainder: bool
+) -> None:
+    source = _varlen_source()
+    if batching is Batching.PADDED:
+        want_ds = source.padded_batch(3, drop_remainder=drop_remainder)
+    else:
+        want_ds = source.ragged_batch(3, drop_remainder=drop_remainder)
+    ds = varlen_ref.stream(shuffle=False).to_tf_dataset(
+        3,
+        drop_remainder,
+        map_fn=(lambda e: e) if identity else None,
+        batching=batching,
+    )
+    assert ds.element_spec == want_ds.element_spec
+    got = [(b["id"].numpy().tolist(), _values(b)) for b in ds]
+    want = [(b["id"].numpy().tolist(), _values(b)) for b in want_ds]
+    assert got == want
+    assert len(got) == (3 if drop_remainder else 4)
+
+
+def test_padded_batches_of_variable_length_keep_position_steps(
+    varlen_ref: yogastore.DatasetRef,
+) -> None:
+    from yogastore.distributed import EpochSize, StreamPosition
+
+    def ids(**options: Any) -> list[list[int]]:
+        position = StreamPosition(varlen_ref, seed=4)
+        ds = position.dataset(1, 2, 2, epoch_size=EpochSize(steps=4), **options)
+        assert int(ds.cardinality()) == 4
+        return [b["id"].numpy().tolist() for b in ds]
+
+    pad = {"id": np.int64(0), "v": np.int64(-1)}
+    plain = ids(map_fn=lambda e: {"id": e["id"]})
+    padded = ids(batching=Batching.PADDED, padding_values=pad)
+    assert padded == plain, "the same records in the same steps"
+    position = StreamPosition(varlen_ref, seed=4)
+    for batch in position.dataset(1, 2, 2, batching=Batching.PADDED, padding_values=pad):
+        rows = batch["v"].numpy().tolist()
+        for i, row in zip(batch["id"].numpy().tolist(), rows, strict=True):
+            assert row == list(range(i % 4)) + [-1] * (len(row) - i % 4)
+
+
+@pytest.mark.parametrize("name", ["padded_shapes", "padding_values"])
+@pytest.mark.parametrize("batching", [None, Batching.DENSE, Batching.RAGGED], ids=str)
+def test_padding_options_need_padded_batching(
+    varlen_ref: yogastore.DatasetRef, name: str, batching: Batching | None
+) -> None:
+    with pytest.raises(yogastore.InvalidArgumentError, match=f"{name} is used only with"):
+        varlen_ref.stream().to_tf_dataset(3, batching=batching, **{name: {"id": [], "v": [5]}})
+
+
+def test_padded_batching_of_sparse_refused_at_the_call(tmp_path: Path) -> None:
+    def source() -> tf.data.Dataset:
+        dense = tf.data.Dataset.range(4).map(
+            lambda i: {"id": i, "m": tf.eye(2) * tf.cast(i, tf.float32)}
+        )
+        return dense.map(lambda e: {"id": e["id"], "m": tf.sparse.from_dense(e["m"])})
+
+    ref = yogastore.Store(tmp_path).cache("sparse", "1", source)
+    stream = ref.stream(shuffle=False)
+    with pytest.raises(yogastore.InvalidArgumentError, match=r"sparse component\(s\) \['m'\]"):
+        stream.to_tf_dataset(2, batching=Batching.PADDED)
+    with pytest.raises(yogastore.InvalidArgumentError, match=r"map_fn returns sparse.*\['s'\]"):
+        stream.to_tf_dataset(
+            2,
+            map_fn=lambda e: {"s": tf.sparse.from_dense(e["id"][None])},
+            batching=Batching.PADDED,
+        )
+    dense = stream.to_tf_dataset(
+        2, map_fn=lambda e: {"m": tf.sparse.to_dense(e["m"])}, batching=Batching.PADDED
+    )
+    assert [b["m"].shape.as_list() for b in dense] == [[2, 2, 2], [2, 2, 2]]
+
+
+def test_padded_shapes_that_do_not_fit_refused_at_the_call(
+    varlen_ref: yogastore.DatasetRef,
+) -> None:
+    with pytest.raises(yogastore.InvalidArgumentError, match=r"padded_shapes=.*do not fit"):
+        varlen_ref.stream().to_tf_dataset(3, batching=Batching.PADDED, padded_shapes={"v": [5]})
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"Batching.PADDED or Batching.RAGGED"):
+        list(varlen_ref.stream(shuffle=False).to_tf_dataset(3))

@@ -114,14 +114,31 @@ class StaticAssignment(Assignment):
         stays in that epoch (offset = its length) instead of moving on; that
         is where a resume state is taken.
         """
-        k, left = 0, consumed
-        while at_end or self.num_epochs is None or k < self.num_epochs:
-            length = self.epoch_length(k)
-            if left < length or (at_end and left == length) or (length == 0 and k > 0):
-                return k, left
-            left -= length
-            k += 1
-        return k, left
+
+        # Constant time whatever ``consumed``: epoch 0 may be a resume state's
+        # remainder, and every later epoch has the same length.
+        def reads(k: int) -> bool:
+            return at_end or self.num_epochs is None or k < self.num_epochs
+
+        left = consumed
+        if not reads(0):
+            return 0, left
+        length = self.epoch_length(0)
+        if left < length or (at_end and left == length):
+            return 0, left
+        left -= length
+        if not reads(1):
+            return 1, left
+        length = self.epoch_length(1)
+        if length == 0:
+            return 1, left
+        if at_end:  # the first epoch whose span ends at or after ``left``
+            skip = max(0, -(-left // length) - 1)
+        else:  # the first epoch whose span ends after ``left``
+            skip = left // length
+            if self.num_epochs is not None:
+                skip = min(skip, self.num_epochs - 1)
+        return 1 + skip, left - skip * length
 
     def spans(self) -> Iterator[Span]:
         k, offset = self.locate(self.start_offset)

@@ -26,7 +26,7 @@ from storage_backends.errors import (
     StorageError,
 )
 from yogastore.manifest import Manifest
-from yogastore.spec import Schema
+from yogastore.spec import ComponentSpec, Kind, Schema
 from yogastore.writer import SourceItem, chunk_key_prefix
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "check_source_size",
     "delete_build",
     "guarded_items",
+    "structure_differences",
 ]
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,47 @@ def check_fingerprint(manifest: Manifest, fingerprint: str | None) -> None:
     )
 
 
+def _component_text(comp: ComponentSpec | None) -> str:
+    if comp is None:
+        return "no such component"
+    text = f"{comp.kind.value} {comp.dtype} shape {comp.shape}"
+    return text + (f" ragged_rank {comp.ragged_rank}" if comp.kind is Kind.RAGGED else "")
+
+
+def _node_text(node: Any) -> str:
+    kind = node.get("type")
+    if kind == "leaf":
+        return "a component"
+    if kind == "dict":
+        return f"a dict with keys {node.get('keys')}"
+    if kind == "namedtuple":
+        return f"namedtuple {node.get('name')}({', '.join(map(str, node.get('fields', [])))})"
+    return f"a tuple of {len(node.get('items', []))}"
+
+
+def structure_differences(cached: Any, given: Any, path: str = "") -> list[str]:
+    """Return where two nest structure descriptions (``Schema.structure``) differ.
+
+    Each difference names the path of the nest (``<element>`` for the top)
+    and what each side has there (a component, a dict, a tuple, a namedtuple).
+    """
+    where = path or "<element>"
+    if cached == given:
+        return []
+    same_kind = cached.get("type") == given.get("type")
+    same_shape = all(cached.get(k) == given.get(k) for k in ("keys", "name", "fields")) and len(
+        cached.get("items", [])
+    ) == len(given.get("items", []))
+    if not same_kind or not same_shape or cached.get("type") == "leaf":
+        return [f"{where}: cached {_node_text(cached)} vs source {_node_text(given)}"]
+    names = cached.get("keys") or cached.get("fields") or range(len(cached["items"]))
+    return [
+        diff
+        for name, a, b in zip(names, cached["items"], given["items"], strict=True)
+        for diff in structure_differences(a, b, f"{path}/{name}" if path else str(name))
+    ]
+
+
 def check_schema(manifest: Manifest, schema: Schema) -> None:
     """Raise ``StaleCacheError`` when the caller's source has another schema."""
     if schema == manifest.schema:
@@ -114,10 +156,11 @@ def check_schema(manifest: Manifest, schema: Schema) -> None:
     stored = dict(zip(manifest.schema.paths, manifest.schema.components, strict=True))
     given = dict(zip(schema.paths, schema.components, strict=True))
     diffs = [
-        f"{path}: cached {stored.get(path)} vs source {given.get(path)}"
+        f"{path}: cached {_component_text(stored.get(path))} vs source "
+        f"{_component_text(given.get(path))}"
         for path in sorted(set(stored) | set(given))
         if stored.get(path) != given.get(path)
-    ] or ["the nest structure differs"]
+    ] or structure_differences(manifest.schema.structure, schema.structure)
     raise StaleCacheError(
         f"{manifest.where} was built from a source with another element_spec "
         f"({'; '.join(diffs)[:500]}); pass rebuild=True to replace it, or use a new version"

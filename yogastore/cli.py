@@ -1,8 +1,9 @@
 """Command line: ``yogastore {list,info,verify,delete,du,gc,queue} [--store URL]``.
 
-Also ``python -m yogastore``. Every failure is one ``error:`` line on stderr
-and exit code 1; ``verify`` exits 1 when any chunk is damaged, after naming
-each one.
+Also ``python -m yogastore``. Every failure, a usage mistake included, is one
+``error:`` line on stderr and exit code 1; ``verify`` exits 1 when any chunk
+is damaged, after naming each one. An id or version starting with ``-`` goes
+after ``--`` (``yogastore info -- -d 1``).
 """
 
 from __future__ import annotations
@@ -13,18 +14,55 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
-from storage_backends.errors import CorruptCacheError, KeyNotFoundError, YogaStoreError
+from storage_backends.errors import (
+    CorruptCacheError,
+    DatasetNotFoundError,
+    KeyNotFoundError,
+    YogaStoreError,
+)
 from yogastore.cli_queue import add_queue_parser, run_queue
 from yogastore.format import ChunkView
 from yogastore.reader import verify_once
-from yogastore.store import Store
+from yogastore.store import DatasetRef, Store
 
 __all__ = ["main"]
 
+_EPILOG = "An id or version that starts with '-' goes after '--': yogastore info -- -d 1"
+
+
+_OPTIONS = ("--", "-h", "--help", "--store")
+
+
+class _Usage(Exception):
+    """A command line that does not parse."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage mistake as one ``error:`` line and exit code 1, as every failure."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _Usage(f"{message} (see `{self.prog} --help`)")
+
+
+def _open(store: Store, dataset_id: str, version: str) -> DatasetRef:
+    """Open a version; say so when it is missing because it is being built now."""
+    try:
+        return store.open(dataset_id, version)
+    except DatasetNotFoundError:
+        root = _local_path(store)
+        if (root is None or root.is_dir()) and store.building(dataset_id, version):
+            raise DatasetNotFoundError(
+                f"dataset {dataset_id!r} version {version!r} in {store.url} is not committed "
+                "yet: a build is in progress (it holds the build lock); try again when it "
+                "finishes"
+            ) from None
+        raise
+
 
 def _verify(store: Store, dataset_id: str, version: str) -> int:
-    ref = store.open(dataset_id, version)
+    ref = _open(store, dataset_id, version)
     columns = ref.manifest.columns()
     damaged = 0
     for i, info in enumerate(ref.manifest.chunks):
@@ -61,7 +99,7 @@ def _local_path(store: Store) -> Path | None:
 
 
 def _info(store: Store, dataset_id: str, version: str) -> int:
-    ref = store.open(dataset_id, version)
+    ref = _open(store, dataset_id, version)
     created = ref.manifest.created
     when = created.get("time")
     root = _local_path(store)
@@ -135,7 +173,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="yogastore", description=__doc__)
+    parser = _Parser(
+        prog="yogastore",
+        description=__doc__,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     store_help = "store URL (default: $YOGASTORE_HOME or ~/.cache/yogastore)"
     parser.add_argument("--store", default=None, help=store_help)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,16 +190,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("du", "size on disk of every version", False),
         ("gc", "remove leftovers of dead builds (never a build in progress)", False),
     ):
-        cmd = sub.add_parser(name, help=text)
+        cmd = sub.add_parser(name, help=text, epilog=_EPILOG if with_version else None)
         # Accepted after the command too; the default keeps the one given before.
         cmd.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
         if with_version:
             cmd.add_argument("dataset_id")
             cmd.add_argument("version")
     add_queue_parser(sub, store_help)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         return _run(args)
+    except _Usage as err:
+        tokens = sys.argv[1:] if argv is None else list(argv)
+        dashed = [t for t in tokens if t.startswith("-") and t.split("=")[0] not in _OPTIONS]
+        tip = "; an id or version starting with '-' goes after '--'" if dashed else ""
+        print(f"error: {err}{tip}", file=sys.stderr)
+        return 1
     except (YogaStoreError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

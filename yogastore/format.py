@@ -626,7 +626,8 @@ class ColumnBatch:
         if len(self) and np.any(self.shapes != self.shapes[:1]):
             raise UnsupportedElementError(
                 f"{where}: cannot batch records of different shapes into one dense array "
-                f"(as tf.data.Dataset.batch would fail); use batch_size=None or ragged"
+                "(as tf.data.Dataset.batch would fail); pass batching=Batching.PADDED or "
+                "Batching.RAGGED (yogastore.tf_map) to to_tf_dataset, or read them unbatched"
             )
         shape = (
             tuple(int(d) for d in self.shapes[0])

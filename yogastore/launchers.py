@@ -104,6 +104,15 @@ def horovod_dataset(
     return position.dataset(rank, size, batch_size, epoch_size=epoch_size, **tf_options)
 
 
+def _check_split(global_batch_size: int, replicas: int, pipelines: int) -> None:
+    """Refuse a global batch that does not split evenly over replicas and pipelines."""
+    if global_batch_size % replicas or replicas % pipelines:
+        raise InvalidArgumentError(
+            f"global_batch_size={global_batch_size} does not split evenly over {replicas} "
+            f"replicas in {pipelines} input pipeline(s): pass a multiple of {replicas}"
+        )
+
+
 def dataset_fn(
     position: StreamPosition,
     global_batch_size: int,
@@ -131,11 +140,14 @@ def dataset_fn(
         **tf_options: as for ``StreamPosition.dataset`` (``map_fn``, ``batching``, ...).
 
     Raises:
-        InvalidArgumentError: ``global_batch_size`` is not a positive integer.
+        InvalidArgumentError: ``global_batch_size`` is not a positive integer, or
+            (with ``strategy``, else when the function is called) not a
+            multiple of the number of replicas.
         RankMismatchError: (with ``strategy``) the workers disagree.
     """
     global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
     if strategy is not None:
+        _check_split(global_batch_size, int(strategy.num_replicas_in_sync), 1)
         steps = None
         if isinstance(epoch_size, EpochSize):
             steps = epoch_size.resolve(
@@ -148,14 +160,10 @@ def dataset_fn(
         )
 
     def make(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        per_replica = input_context.get_per_replica_batch_size(global_batch_size)
         pipelines = input_context.num_input_pipelines
         replicas = input_context.num_replicas_in_sync
-        if per_replica < 1 or replicas % pipelines:
-            raise InvalidArgumentError(
-                f"global batch {global_batch_size} does not split over {replicas} replicas "
-                f"in {pipelines} input pipelines"
-            )
+        _check_split(global_batch_size, replicas, pipelines)
+        per_replica = input_context.get_per_replica_batch_size(global_batch_size)
         return position.dataset(
             input_context.input_pipeline_id,
             pipelines,

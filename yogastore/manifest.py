@@ -20,11 +20,13 @@ from yogastore import boundedjson
 from yogastore.format import ColumnSpec, columns_for
 from yogastore.spec import Schema
 
-__all__ = ["FORMAT_VERSION", "ChunkInfo", "Manifest", "checksum", "validate_name"]
+__all__ = ["FORMAT_VERSION", "MAX_NAME_BYTES", "ChunkInfo", "Manifest", "checksum", "validate_name"]
 
 #: 2: chunk indexes carry block checksums of the data (``yogastore.blocks``).
 #: Older versions are refused with a message saying to build again.
 FORMAT_VERSION = 2
+#: Longest dataset id or version, in UTF-8 bytes.
+MAX_NAME_BYTES = 200
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 
 
@@ -38,7 +40,8 @@ def validate_name(value: Any, what: str) -> str:
 
     Raises:
         InvalidArgumentError: empty, not a string, containing ``/`` or ``..``,
-            or not printable.
+            starting with ``.``, not printable, or longer than ``MAX_NAME_BYTES``
+            in UTF-8.
     """
     if not isinstance(value, str) or not value:
         raise InvalidArgumentError(f"{what} must be a non-empty string, got {value!r}")
@@ -46,8 +49,15 @@ def validate_name(value: Any, what: str) -> str:
         raise InvalidArgumentError(
             f"{what} {value!r} must be printable and contain no '/', '\\\\' or '..'"
         )
-    if value.startswith(".") or len(value) > 200:
-        raise InvalidArgumentError(f"{what} {value!r} must not start with '.' or exceed 200 chars")
+    if value.startswith("."):
+        raise InvalidArgumentError(f"{what} {value!r} must not start with '.'")
+    # Counted in UTF-8 bytes: a name is a path component (plus ".lock"),
+    # and file systems allow 255 bytes, not characters.
+    if len(value.encode("utf-8")) > MAX_NAME_BYTES:
+        raise InvalidArgumentError(
+            f"{what} {value[:40]!r}... is {len(value.encode('utf-8'))} bytes in UTF-8; "
+            f"at most {MAX_NAME_BYTES} are allowed"
+        )
     return value
 
 

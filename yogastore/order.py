@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - the package builds it on install
     _gather = None  # type: ignore[assignment]
 
 __all__ = [
+    "KEY_LIMIT",
     "BlockShuffleOrder",
     "EpochOrder",
     "FeistelPermutation",
@@ -53,7 +54,10 @@ __all__ = [
 Interval = tuple[int, int]
 IntArray = npt.NDArray[np.int64]
 
-_MASK64 = (1 << 64) - 1
+#: Seeds and epochs key the order as 64-bit words: both must be below this, or
+#: two different values would give the same order (and a state that cannot be read back).
+KEY_LIMIT = 1 << 64
+_MASK64 = KEY_LIMIT - 1
 _ROUNDS = 4  # at least
 _ROUND_BITS = 48  # rounds * domain bits, at least
 

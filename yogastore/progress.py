@@ -93,6 +93,10 @@ class LineProgress:
         """Count ``n`` more bytes written."""
         self.nbytes += n
 
+    def set_bytes(self, n: int) -> None:
+        """Set the bytes written so far (shown by the next line)."""
+        self.nbytes = n
+
     def close(self) -> None:
         """Write the final line (once)."""
         if not self._closed:

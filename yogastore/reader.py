@@ -160,6 +160,8 @@ class LocalChunkSource:
         }
         self._loaded = np.zeros(num_chunks, dtype=bool)
         self._all_loaded = num_chunks == 0
+        # Any key of the version names the file its views map.
+        self._mapped_key = f"{manifest.dataset_id}/{manifest.version}/manifest.json"
 
     def view(self, chunk: int) -> ChunkView:
         """Return the validated view of one chunk."""
@@ -190,6 +192,9 @@ class LocalChunkSource:
 
     def gather(self, records: IntArray) -> list[ColumnBatch]:
         which, local = locate(self.manifest, self._starts, records, self._uniform)
+        # Views handed out earlier read a memory map: make sure its file did
+        # not shrink since (an outside truncation), which would be a SIGBUS.
+        self.backend.check_mapped(self._mapped_key)
         if not self._all_loaded:
             for c in np.unique(which[~self._loaded[which]]):
                 self.view(int(c))

@@ -294,8 +294,12 @@ def _check_structure(node: Any, count: int, seen: set[int], depth: int = 0) -> N
     kind = node.get("type")
     if kind == "leaf":
         index = node.get("index")
-        if not isinstance(index, int) or not 0 <= index < count or index in seen:
+        if not isinstance(index, int) or not 0 <= index < count:
             raise CorruptCacheError(f"nest structure leaf index {index!r} out of range")
+        if index in seen:
+            raise CorruptCacheError(
+                f"nest structure names component {index} twice (a duplicated leaf index)"
+            )
         seen.add(index)
         return
     items = node.get("items")

@@ -23,6 +23,7 @@ from storage_backends.errors import (
     StorageError,
     YogaStoreError,
 )
+from yogastore import housekeeping
 from yogastore.buildcheck import (
     BuildOptions,
     canonical_fingerprint,
@@ -611,8 +612,9 @@ class Store:
     def list(self) -> list[DatasetInfo]:
         """Return every committed dataset version in this store.
 
-        A version whose manifest is damaged is skipped with a warning (``verify``
-        and ``delete`` name it); builds without a manifest are not listed.
+        A version whose manifest or file is damaged is skipped with a warning
+        (``verify`` and ``delete`` name it); builds without a manifest are not
+        listed, and neither is anything yogastore did not write (see ``versions``).
         """
         out = []
         for dataset_id, version in self.versions():
@@ -630,24 +632,30 @@ class Store:
         return out
 
     def versions(self) -> builtins.list[tuple[str, str]]:
-        """Return the (dataset id, version) pairs that have keys, committed or not, sorted."""
-        found = set()
-        for key in self.backend.list(""):
-            parts = key.split("/")
-            if len(parts) == 3:
-                found.add((parts[0], parts[1]))
-        return sorted(found)
+        """Return the (dataset id, version) pairs that have keys, committed or not, sorted.
+
+        Only yogastore's own versions count: ``<id>/<version>/`` holding
+        nothing but a ``manifest.json`` and chunks ``c-<build>-<n>``, under
+        valid names. Anything else found under the store's root (another
+        program's LMDB files, say) is never listed, collected nor deleted.
+        A damaged local version is skipped with a warning.
+        """
+        return housekeeping.own_versions(self.backend, self.url)
 
     def building(self, dataset_id: str, version: str = "1") -> bool:
         """Return whether a build of this version holds its lock right now.
 
         Takes the lock for an instant when it is free (on an object store that
-        writes and deletes the lock object).
+        writes and deletes the lock object); asking about a version that does
+        not exist leaves nothing behind.
         """
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
+        name = f"{dataset_id}/{version}"
         try:
-            with self.backend.lock(f"{dataset_id}/{version}", timeout=0):
+            with self.backend.lock(name, timeout=0):
+                if not self.backend.list(name + "/"):
+                    self.backend.delete_lock(name)
                 return False
         except LockTimeoutError:
             return True
@@ -657,11 +665,15 @@ class Store:
 
         The manifest goes first (readers never see half a dataset), then the
         chunks of every build of it, committed or not, then its directory and
-        lock, and last the keys of its work queue jobs. Waits for a build in
-        progress (up to ``lock_timeout``).
+        lock (and the dataset's directory with its last version), and last
+        the keys of its work queue jobs. A local version whose file is damaged
+        is removed without opening it. Waits for a build in progress (up to
+        ``lock_timeout``).
 
         Raises:
             DatasetNotFoundError: nothing of that version is in the store.
+            InvalidArgumentError: the place holds keys yogastore did not write
+                (another program's data); nothing is deleted.
             LockTimeoutError: a build kept the lock past ``lock_timeout``.
         """
         from yogastore.work_queue import queue_prefix
@@ -672,6 +684,8 @@ class Store:
         name = f"{dataset_id}/{version}"
         with self.backend.lock(name, timeout=self.lock_timeout):
             keys = self.backend.list(prefix)
+            housekeeping.check_own(keys, prefix, self.url)
+            present = bool(keys) or self.backend.disk_usage(prefix) > 0
             if prefix + MANIFEST in keys:
                 self.backend.delete(prefix + MANIFEST)
             self.backend.delete_prefix(prefix)
@@ -680,7 +694,7 @@ class Store:
         queue_keys = self.backend.list(queues)
         if queue_keys:
             self.backend.delete_prefix(queues)
-        if not keys and not queue_keys:
+        if not present and not queue_keys:
             raise DatasetNotFoundError(
                 f"no dataset {dataset_id!r} version {version!r} in {self.url}"
             )
@@ -689,42 +703,16 @@ class Store:
         """Remove what dead builds left behind, in every dataset version.
 
         A version without a manifest (its build died or failed) is deleted
-        whole; a committed version loses the keys its manifest does not name.
-        A version whose lock is held (a build in progress) is not touched, and
-        neither is one whose manifest is damaged (``verify`` and ``delete``
-        deal with it).
+        whole, with its lock and, if it was the last, its dataset's directory;
+        a committed version loses the chunks its manifest does not name. A
+        version whose lock is held (a build in progress) is not touched, nor
+        is one whose manifest or file is damaged (``verify`` and ``delete``
+        deal with it), nor anything yogastore did not write (see ``versions``).
 
         Returns:
             One entry per version something was removed from.
         """
-        removed = []
-        for dataset_id, version in self.versions():
-            name = f"{dataset_id}/{version}"
-            prefix = name + "/"
-            try:
-                with self.backend.lock(name, timeout=0):
-                    try:
-                        manifest = self._read_manifest(dataset_id, version)
-                    except CorruptCacheError as err:
-                        logger.warning("gc: leaving %s alone: %s", name, err)
-                        continue
-                    keys = self.backend.list(prefix)
-                    if manifest is None:
-                        freed = self.backend.disk_usage(prefix)
-                        self.backend.delete_prefix(prefix)
-                        self.backend.delete_lock(name)
-                        removed.append(GcEntry(dataset_id, version, len(keys), freed, False))
-                        continue
-                    keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
-                    stale = [key for key in keys if key not in keep]
-                    freed = sum(self.backend.size(key) for key in stale)
-                    for key in stale:
-                        self.backend.delete(key)
-                    if stale:
-                        removed.append(GcEntry(dataset_id, version, len(stale), freed, True))
-            except LockTimeoutError:
-                logger.info("gc: %s is being built; left alone", name)
-        return removed
+        return housekeeping.collect_garbage(self)
 
     def copy(self, dataset_id: str, version: str = "1", *, to: Store) -> DatasetRef:
         """Copy a dataset version to another store, verifying every chunk's checksum."""

@@ -26,6 +26,7 @@ from yogastore.assemble import batch_components, batch_length, element_component
 from yogastore.assignment import Assignment, StaticAssignment
 from yogastore.format import StringFormat
 from yogastore.order import (
+    KEY_LIMIT,
     BlockShuffleOrder,
     EpochOrder,
     GlobalShuffleOrder,
@@ -82,6 +83,8 @@ class StreamState:
             last = b
         if self.epoch < 0 or self.block_window < 1 or self.num_records < 0:
             raise InvalidArgumentError(f"resume state has invalid numbers: {self}")
+        _check_int("resume state seed", self.seed, 0, KEY_LIMIT)
+        _check_int("resume state epoch", self.epoch, 0, KEY_LIMIT)
 
     @property
     def remaining_records(self) -> int:
@@ -163,9 +166,17 @@ def splittable(schema: Schema) -> bool:
     )
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+def _check_int(name: str, value: Any, low: int, limit: int | None = None) -> int:
+    """Return ``value`` as an int if ``low <= value`` (and ``value < limit`` when given)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | np.integer)
+        or value < low
+        or (limit is not None and value >= limit)
+    ):
+        top = "2**64" if limit == KEY_LIMIT else str(limit)
+        bound = f">= {low}" if limit is None else f"in [{low}, {top})"
+        raise InvalidArgumentError(f"{name} must be an integer {bound}, got {value!r}")
     return int(value)
 
 
@@ -193,8 +204,9 @@ class Stream:
         self.shard_rank = _check_int("shard_rank", shard_rank, 0)
         if self.shard_rank >= self.num_shards:
             raise InvalidArgumentError(f"shard_rank {shard_rank} must be < num_shards {num_shards}")
-        self.seed = _check_int("seed", seed, 0)
-        self.epoch = _check_int("epoch", epoch, 0)
+        # Seeds and epochs key the order modulo 2**64: larger ones would alias.
+        self.seed = _check_int("seed", seed, 0, KEY_LIMIT)
+        self.epoch = _check_int("epoch", epoch, 0, KEY_LIMIT)
         self.start_offset = _check_int("start_offset", start_offset, 0)
         self.num_epochs = None if num_epochs is None else _check_int("num_epochs", num_epochs, 0)
         self.block_window = _check_int("block_window", block_window, 1)
@@ -450,7 +462,12 @@ class Stream:
 
         The state assumes every rank consumed the same number of records of
         the current epoch (true in synchronous training); it lists every
-        position of the epoch no rank has consumed yet.
+        position of the epoch no rank has consumed yet. Computed in constant
+        time whatever ``consumed``.
+
+        Raises:
+            InvalidArgumentError: ``consumed`` is negative, or so large that
+                the epoch it reaches is beyond what a state can hold (2**64).
         """
         consumed = _check_int("consumed", consumed, 0)
         if self.static is None:
@@ -458,6 +475,12 @@ class Stream:
                 f"{type(self.assignment).__name__} streams keep their position in their own state"
             )
         k, remaining = self.static.remaining(consumed)
+        if self.epoch + k >= KEY_LIMIT:
+            raise InvalidArgumentError(
+                f"consumed={consumed} reaches epoch {self.epoch + k} of {self.ref.manifest.where} "
+                f"({self.num_records} records per epoch), beyond the last epoch a state "
+                "can hold (2**64 - 1); pass the records consumed by this rank"
+            )
         return StreamState(
             dataset=self.ref.fingerprint,
             num_records=self.num_records,

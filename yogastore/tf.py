@@ -36,11 +36,13 @@ __all__ = [
     "dataset_items",
     "element_spec_from_schema",
     "numpy_records",
+    "record_dataset",
     "schema_from_element_spec",
     "to_tf_dataset",
 ]
 
 _FIRST_PASS_BATCH = 512  # records, at most
+_FIRST_PASS_START = 16  # records in the first batch; later ones double up to the cap
 _FIRST_PASS_BYTES = 8 << 20
 _UNBATCH_INTERNAL = 256
 _GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, about
@@ -165,7 +167,7 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         # About _FIRST_PASS_BYTES per batch: large records in small batches keep
         # every buffer below the size at which malloc maps fresh memory each time.
         size = max(1, min(_FIRST_PASS_BATCH, _FIRST_PASS_BYTES // max(1, row_bytes(schema))))
-        batched = ds.batch(size).prefetch(2)
+        batched = _growing_batches(ds, size).prefetch(2)
         for batch in batched.as_numpy_iterator():
             yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
         return
@@ -181,13 +183,46 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         yield "record", values
 
 
+def _growing_batches(ds: tf.data.Dataset, cap: int) -> tf.data.Dataset:
+    """Batch ``ds`` in batches of 16, 32, 64, ... records, then of about ``cap``.
+
+    A slow source (a second per record) then shows progress after its first
+    16 records, not after ``cap``. The batches of 16 are regrouped in tf.data
+    (one key function call per 16 records), not in Python.
+    """
+    base = min(_FIRST_PASS_START, cap)
+    counts = [1]  # batches of ``base`` per output batch, per step of growth
+    while counts[-1] * 2 * base <= cap:
+        counts.append(counts[-1] * 2)
+    if len(counts) == 1:
+        return ds.batch(base)
+    starts = tf.constant(np.cumsum([0, *counts[:-1]]), tf.int64)
+    sizes = tf.constant(counts, tf.int64)
+
+    def key(i: tf.Tensor, _batch: Any) -> tf.Tensor:
+        return tf.reduce_sum(tf.cast(i >= starts, tf.int64)) - 1
+
+    def window_size(k: tf.Tensor) -> tf.Tensor:
+        return tf.gather(sizes, k)
+
+    def regroup(k: tf.Tensor, window: tf.data.Dataset) -> tf.data.Dataset:
+        return window.map(lambda _i, b: b).unbatch().batch(base * tf.gather(sizes, k))
+
+    convert = tf.autograph.experimental.do_not_convert  # plain graph code
+    return (
+        ds.batch(base)
+        .enumerate()
+        .group_by_window(convert(key), convert(regroup), window_size_func=convert(window_size))
+    )
+
+
 def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
     """Yield the records of ``ds``, batched by tf.data and split with numpy slices.
 
     For fixed-shape tensors (strings too) and rank-0 ragged components: tf.data's
     per-element Python cost is then paid once per batch, not per record.
     """
-    for batch in ds.batch(_FIRST_PASS_BATCH).prefetch(2):
+    for batch in _growing_batches(ds, _FIRST_PASS_BATCH).prefetch(2):
         leaves = schema.flatten(_plain(batch))
         n = 0
         getters: list[Any] = []
@@ -441,11 +476,29 @@ def _grouped_dataset(
     return _finish(ds, row_bytes(schema) * size)
 
 
-def _per_element_dataset(stream: Stream, schema: Schema) -> tf.data.Dataset:
+def record_dataset(stream: Stream, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
+    """Return one element per record, read as the stream's batches of ``batch_size``.
+
+    For batching records whose dense components vary in shape (padded or
+    ragged batches): the records are exactly those of
+    ``to_tf_dataset(stream, batch_size, drop_remainder)``, in order, but never
+    stacked into one dense array. Ragged_rank-0 components come as dense
+    tensors.
+    """
+    return _per_element_dataset(stream, stream.ref.schema, batch_size, drop_remainder)
+
+
+def _per_element_dataset(
+    stream: Stream,
+    schema: Schema,
+    batch_size: int = _UNBATCH_INTERNAL,
+    drop_remainder: bool = False,
+) -> tf.data.Dataset:
     specs = tuple(s for c in schema.components for s in _wire_specs(c, None, False))
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        for _records, cols in stream.column_batches(_UNBATCH_INTERNAL):
+        # A stream subclass may give batches a meaning (steps), so read in its batches.
+        for _records, cols in stream.column_batches(batch_size, drop_remainder):
             for i in range(len(cols[0]) if cols else 0):
                 comps = element_components(schema, cols, i)
                 yield tuple(

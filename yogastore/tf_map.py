@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore.spec import Kind
 
 if TYPE_CHECKING:
     from yogastore.stream import Stream
@@ -47,6 +48,8 @@ def check_tf_args(
     map_fn: Any = None,
     num_parallel_calls: Any = None,
     batching: Any = Batching.DENSE,
+    padded_shapes: Any = None,
+    padding_values: Any = None,
 ) -> None:
     """Validate ``to_tf_dataset`` arguments at the call, not at the first iteration.
 
@@ -70,6 +73,36 @@ def check_tf_args(
         raise InvalidArgumentError(f"batching must be a Batching, got {batching!r}")
     if batching is not Batching.DENSE and batch_size is None:
         raise InvalidArgumentError(f"batching=Batching.{batching.name} needs a batch_size")
+    for name, value in (("padded_shapes", padded_shapes), ("padding_values", padding_values)):
+        if value is not None and batching is not Batching.PADDED:
+            raise InvalidArgumentError(
+                f"{name} is used only with batching=Batching.PADDED, got "
+                f"batching=Batching.{batching.name}: pass batching=Batching.PADDED or drop {name}"
+            )
+
+
+def _sparse_paths(spec: Any, path: str = "") -> list[str]:
+    if isinstance(spec, tf.SparseTensorSpec):
+        return [path or "<element>"]
+    if isinstance(spec, dict):
+        items: list[tuple[Any, Any]] = sorted(spec.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(spec, tuple | list):
+        items = list(zip(getattr(spec, "_fields", range(len(spec))), spec, strict=True))
+    else:
+        return []
+    return [p for key, sub in items for p in _sparse_paths(sub, f"{path}/{key}".lstrip("/"))]
+
+
+def _check_not_sparse(element_spec: Any, mapped: bool) -> None:
+    """Refuse sparse components before ``padded_batch`` (it raises a bare TypeError)."""
+    paths = _sparse_paths(element_spec)
+    if paths:
+        what = "map_fn returns" if mapped else "the dataset has"
+        raise InvalidArgumentError(
+            f"batching=Batching.PADDED cannot pad sparse components; {what} sparse "
+            f"component(s) {paths}: use Batching.DENSE (sparse components batch as they are) "
+            "or make them dense in map_fn"
+        )
 
 
 def _densify(*element: Any) -> Any:
@@ -98,7 +131,15 @@ def to_tf_dataset(
     """Return ``stream`` as a ``tf.data.Dataset`` (see ``Stream.to_tf_dataset``)."""
     from yogastore import tf as ytf
 
-    check_tf_args(batch_size, drop_remainder, map_fn, num_parallel_calls, batching)
+    check_tf_args(
+        batch_size,
+        drop_remainder,
+        map_fn,
+        num_parallel_calls,
+        batching,
+        padded_shapes,
+        padding_values,
+    )
     if map_fn is None and batching is Batching.DENSE:
         return ytf.to_tf_dataset(stream, batch_size, drop_remainder)
     calls = tf.data.AUTOTUNE if num_parallel_calls is None else num_parallel_calls
@@ -106,19 +147,32 @@ def to_tf_dataset(
         assert map_fn is not None
         return _apply(map_fn, ytf.to_tf_dataset(stream, None), calls).prefetch(2)
     # The stream is read in batches of batch_size (its step layout), then split,
-    # mapped, and regrouped with the same boundaries.
-    ds = ytf.to_tf_dataset(stream, batch_size, drop_remainder).unbatch()
+    # mapped, and regrouped with the same boundaries. Dense components whose
+    # shape varies cannot be stacked into one array: their records are handed
+    # over one by one (still read in the stream's batches).
+    if any(c.kind is Kind.TENSOR and not c.fixed for c in stream.ref.schema.components):
+        ds = ytf.record_dataset(stream, batch_size, drop_remainder)
+    else:
+        ds = ytf.to_tf_dataset(stream, batch_size, drop_remainder).unbatch()
     if map_fn is not None:
         ds = _apply(map_fn, ds, calls)
+    if batching is Batching.PADDED:
+        _check_not_sparse(ds.element_spec, map_fn is not None)
     if batching is Batching.DENSE:
         ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     elif batching is Batching.RAGGED:
         ds = ds.ragged_batch(batch_size, drop_remainder=drop_remainder)
     else:
-        ds = _apply(_densify, ds, calls).padded_batch(
-            batch_size,
-            padded_shapes=padded_shapes,
-            padding_values=padding_values,
-            drop_remainder=drop_remainder,
-        )
+        try:
+            ds = _apply(_densify, ds, calls).padded_batch(
+                batch_size,
+                padded_shapes=padded_shapes,
+                padding_values=padding_values,
+                drop_remainder=drop_remainder,
+            )
+        except (TypeError, ValueError) as err:  # raised by tf at the call
+            raise InvalidArgumentError(
+                f"padded_shapes={padded_shapes!r:.200} / padding_values={padding_values!r:.200} "
+                f"do not fit the records ({ds.element_spec!r:.300}): {err}"
+            ) from err
     return ds.prefetch(2)

@@ -10,7 +10,6 @@ commit point, so a build that dies at any moment leaves nothing readable.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import os
 import socket
@@ -23,18 +22,11 @@ import numpy as np
 
 from storage_backends import Backend
 from storage_backends.errors import UnsupportedElementError
+from yogastore.casts import check_value
 from yogastore.format import ChunkBuilder, ColumnSpec, columns_for, parse_header
 from yogastore.manifest import ChunkInfo, Manifest, checksum
 from yogastore.progress import LineProgress, Progress
-from yogastore.spec import (
-    STRING,
-    ComponentSpec,
-    Kind,
-    RaggedValue,
-    Schema,
-    SparseValue,
-    numpy_dtype,
-)
+from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
 
 __all__ = ["chunk_key_prefix", "component_columns", "new_build_id", "write_dataset"]
 
@@ -64,46 +56,6 @@ def component_columns(comp: ComponentSpec, value: Any, path: str) -> list[Any]:
     return [value.indices, value.values, value.dense_shape]
 
 
-_numpy_dtype = functools.lru_cache(maxsize=None)(numpy_dtype)
-
-
-def _check_cast(comp: ComponentSpec, value: Any, path: str) -> None:
-    """Refuse a value whose conversion to the spec's dtype would lose information.
-
-    Across kinds (float -> int, int -> bool, complex -> float) numpy casts
-    silently; so does narrowing an integer that does not fit. Both are refused.
-    Lists are converted by numpy as usual (their kind is not inspected).
-    """
-    if comp.dtype == STRING or comp.kind is Kind.SPARSE:
-        return
-    if isinstance(value, RaggedValue):
-        value = value.flat_values
-    target = _numpy_dtype(comp.dtype)
-    if isinstance(value, float) and target.kind in "iub":
-        raise UnsupportedElementError(
-            f"component {path!r}: Python float {value!r} where spec= says {comp.dtype}; "
-            "casting would lose the fraction: convert it yourself or fix spec="
-        )
-    src = getattr(value, "dtype", None)
-    if not isinstance(src, np.dtype) or src == target or "V" in (src.kind, target.kind):
-        return
-    if src.kind in "OSU":
-        return
-    if not np.can_cast(src, target, casting="same_kind"):
-        raise UnsupportedElementError(
-            f"component {path!r}: value of dtype {src} where spec= says {comp.dtype}; "
-            "the cast would lose information: convert it yourself or fix spec="
-        )
-    if src.kind in "iu" and target.kind in "iu" and not np.can_cast(src, target):
-        arr = np.asarray(value)
-        info = np.iinfo(target)
-        if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
-            raise UnsupportedElementError(
-                f"component {path!r}: values of dtype {src} outside the {comp.dtype} range "
-                f"of spec=: widen spec= or convert them yourself"
-            )
-
-
 def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[SourceItem]:
     """Turn an iterable of numpy structures into per-record column values.
 
@@ -114,7 +66,7 @@ def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[Sour
         leaves = schema.flatten(element)
         values: list[Any] = []
         for comp, leaf, path in zip(schema.components, leaves, schema.paths, strict=True):
-            _check_cast(comp, leaf, path)
+            check_value(comp, leaf, path)
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
 
@@ -180,10 +132,12 @@ def write_dataset(
     uploader = _Uploader(backend, upload_workers)
     builder = ChunkBuilder(columns)
     first = 0
+    written = 0
+    lines = progress if isinstance(progress, LineProgress) else None
     started = time.perf_counter()
 
     def flush() -> None:
-        nonlocal builder, first
+        nonlocal builder, first, written
         if builder.count == 0:
             return
         data = builder.encode()
@@ -202,9 +156,14 @@ def write_dataset(
         )
         first += builder.count
         uploader.put(key, data)
-        if isinstance(progress, LineProgress):
-            progress.add_bytes(len(data))
+        written += len(data)
         builder = ChunkBuilder(columns)
+
+    def report(n: int) -> None:
+        # Bytes so far: the chunks written plus the records of the chunk being filled.
+        if lines is not None:
+            lines.set_bytes(written + builder.nbytes)
+        progress.update(n)
 
     try:
         for kind, values in items:
@@ -216,16 +175,18 @@ def write_dataset(
                     room = max(1, (chunk_bytes - builder.nbytes) // row_bytes)
                     stop = min(n, start + room)
                     builder.add_batch([v[start:stop] for v in values])
-                    progress.update(stop - start)
+                    report(stop - start)
                     start = stop
                     if builder.nbytes >= chunk_bytes:
                         flush()
             else:
                 builder.add_record(values)
-                progress.update(1)
+                report(1)
                 if builder.nbytes >= chunk_bytes:
                     flush()
         flush()
+        if lines is not None:
+            lines.set_bytes(written)
     finally:
         uploader.finish()
         progress.close()

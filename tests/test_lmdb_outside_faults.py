@@ -1,0 +1,218 @@
+"""Outside faults on a live local store: a data file truncated under a process, a FIFO or a
+device where LMDB's file should be, and versions deleted while another process reads them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import yogastore
+from storage_backends.lmdb_backend import LmdbBackend
+
+SPEC = {"x": yogastore.ComponentSpec(shape=(256,), dtype="int32")}
+N = 400
+
+
+def records(n: int = N, offset: int = 0) -> list[dict[str, Any]]:
+    return [{"x": np.full(256, i + offset, np.int32)} for i in range(n)]
+
+
+def build(root: Path) -> None:
+    store = yogastore.Store(root, chunk_bytes=16 << 10)
+    store.cache("d", "1", records, spec=SPEC)
+    store.backend.close()
+
+
+def run(code: str, *args: str, timeout: float = 120) -> dict[str, Any]:
+    """Run ``code`` in a new process; a signal (SIGBUS) or a hang fails the test."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return result
+
+
+# Reads a version, truncates its data file (an outside fault), then tries
+# every way this process could touch the file again.
+TRUNCATED = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np, yogastore
+    root, how = sys.argv[1], sys.argv[2]
+    store = yogastore.Store(root)
+    ref = store.open("d", "1")
+    source = ref.make_source()
+    everything = np.arange(ref.num_records, dtype=np.int64)
+    source.gather(everything)  # every chunk mapped, verified and viewed
+    data = os.path.join(root, "d", "1", "data.mdb")
+    os.truncate(data, os.path.getsize(data) // 2 if how == "half" else 0)
+    out = {}
+    def attempt(name, call):
+        try:
+            call()
+            out[name] = "no error"
+        except yogastore.YogaStoreError as err:
+            out[name] = [type(err).__name__, str(err)]
+    attempt("gather_with_held_views", lambda: source.gather(everything[:5]))
+    attempt("read_ref", lambda: list(ref.stream(shuffle=False)))
+    attempt("open", lambda: yogastore.Store(root).open("d", "1"))
+    spec = {"x": yogastore.ComponentSpec(shape=(256,), dtype="int32")}
+    attempt("cache", lambda: store.cache("d", "1", list, spec=spec))
+    out["list"] = [e.version for e in yogastore.Store(root).list()]
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["half", "zero"])
+def test_data_file_truncated_under_a_reader_is_an_error_not_sigbus(
+    tmp_path: Path, how: str
+) -> None:
+    build(tmp_path)
+    out = run(TRUNCATED, str(tmp_path), how)
+    data = str(tmp_path / "d" / "1" / "data.mdb")
+    for case in ("gather_with_held_views", "read_ref", "open", "cache"):
+        kind, message = out[case]
+        assert kind == "CorruptCacheError", (case, out[case])
+        assert data in message and "shrank" in message, (case, message)
+    assert out["list"] == []  # skipped with a warning
+
+
+# Opens a store whose version directory holds something LMDB must not open.
+SPECIAL = textwrap.dedent(
+    """
+    import json, sys
+    import yogastore
+    root = sys.argv[1]
+    store = yogastore.Store(root)
+    out = {}
+    try:
+        store.open("d", "1")
+        out["open"] = "opened"
+    except yogastore.YogaStoreError as err:
+        out["open"] = [type(err).__name__, str(err)]
+    out["list"] = [e.version for e in store.list()]
+    store.delete("d", "1")
+    out["left"] = sorted(__import__("os").listdir(root))
+    print(json.dumps(out))
+    """
+)
+
+
+def make_fifo(root: Path) -> str:
+    data = root / "d" / "1" / "data.mdb"
+    data.unlink()
+    os.mkfifo(data)
+    return f"{data} should be a regular file but is a FIFO"
+
+
+def make_device(root: Path) -> str:
+    data = root / "d" / "1" / "data.mdb"
+    data.unlink()
+    data.symlink_to("/dev/zero")
+    return f"{data} should be a regular file but is a character device"
+
+
+def make_version_a_file(root: Path) -> str:
+    version = root / "d" / "1"
+    for child in version.iterdir():
+        child.unlink()
+    version.rmdir()
+    version.write_text("not a directory")
+    return f"{version} should be an LMDB environment directory but is a regular file"
+
+
+@pytest.mark.parametrize(
+    "damage", [make_fifo, make_device, make_version_a_file], ids=["fifo", "device", "file"]
+)
+def test_special_files_are_corrupt_at_open_never_a_hang(tmp_path: Path, damage: Any) -> None:
+    build(tmp_path)
+    expected = damage(tmp_path)
+    out = run(SPECIAL, str(tmp_path), timeout=60)
+    kind, message = out["open"]
+    assert kind == "CorruptCacheError" and expected in message, message
+    assert out["list"] == []
+    assert out["left"] == []  # delete removed it (and the empty dataset folder)
+
+
+def test_environment_whose_file_vanishes_reads_as_missing(tmp_path: Path) -> None:
+    """The race a reader loses against another process's delete: missing, not damaged."""
+    build(tmp_path)
+    backend = LmdbBackend(str(tmp_path))
+    version = tmp_path / "d" / "1"
+    env = backend._env(version, create=False)
+    assert env is not None and env.read(b"manifest.json") is not None
+    # Another process deletes the version (and may leave a new file in its place).
+    subprocess.run(
+        [sys.executable, "-c", "import shutil, sys; shutil.rmtree(sys.argv[1])", str(version)],
+        check=True,
+    )
+    assert env.read(b"manifest.json") is None
+    assert env.names() == []
+    with pytest.raises(yogastore.StorageError, match="deleted by another process"):
+        env.write(b"k", b"v", overwrite=True)
+
+
+# Reads d/1 in a loop while another process deletes and rebuilds it, until
+# the stop file appears; then reads once more.
+READER = textwrap.dedent(
+    """
+    import json, os, sys
+    import yogastore
+    root, stop = sys.argv[1], sys.argv[2]
+    store = yogastore.Store(root)
+    def read():
+        ref = store.open("d", "1")
+        values = [int(e["x"][0]) for e in ref.stream(shuffle=False)]
+        first = values[0] if values else 0
+        return first if values == list(range(first, first + ref.num_records)) else "WRONG"
+    read()
+    print("ready", flush=True)
+    seen = {}
+    while not os.path.exists(stop):
+        try:
+            outcome = "read" if read() != "WRONG" else "WRONG"
+        except yogastore.YogaStoreError as err:
+            outcome = type(err).__name__
+        seen[outcome] = seen.get(outcome, 0) + 1
+    print(json.dumps({"seen": seen, "last": read()}))
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_delete_while_another_process_reads(tmp_path: Path) -> None:
+    root, stop = tmp_path / "s", tmp_path / "stop"
+    build(root)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(root), str(stop)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        store = yogastore.Store(root, chunk_bytes=16 << 10)
+        for offset in range(1000, 26_000, 1000):
+            store.delete("d", "1")  # never half-done: it raises if a file is left
+            assert not (root / "d" / "1").exists()
+            store.cache("d", "1", functools.partial(records, 50, offset), spec=SPEC)
+    finally:
+        stop.touch()
+    out, err = reader.communicate(timeout=300)
+    assert reader.returncode == 0, err[-2000:]
+    result = json.loads(out.splitlines()[-1])
+    # Never "damaged", never wrong records: missing, changed, or read whole.
+    assert set(result["seen"]) <= {"read", "DatasetNotFoundError", "DatasetChangedError"}, result
+    assert result["last"] == 25_000  # the long-lived reader sees the last build
