@@ -97,8 +97,10 @@ def test_builder_whose_lease_ran_out_cannot_commit(
     ``before-commit``: A resumes before its manifest while B builds: the commit is refused.
     ``after-new-commit``: B committed first: A's commit is refused and A returns B's dataset.
     """
+    # The old builder's renewals hang from the start, so its whole build must
+    # fit in one lease: long enough for a loaded machine, short for the test.
     old, new = (
-        y.Store(URL, chunk_bytes=16 << 10, lock_lease=1.0, lock_settle=0.0) for _ in range(2)
+        y.Store(URL, chunk_bytes=16 << 10, lock_lease=4.0, lock_settle=0.0) for _ in range(2)
     )
     resume = stall_renewals(monkeypatch, old.backend)
     gate_old, gate_new = Gate(), Gate()

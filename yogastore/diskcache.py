@@ -19,6 +19,7 @@ reader slots in the shared lock table. Opening or using a cache there raises
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import lmdb.verify
 import xxhash
 
 from storage_backends import lmdb_env
@@ -66,7 +68,36 @@ def _forked_error(path: str) -> StorageError:
     )
 
 
+def _damage(key: str) -> list[str]:
+    """Return what is wrong with the structure of the cache file (read without mapping it)."""
+    try:
+        return list(lmdb.verify.verify(key, subdir=False))  # type: ignore[no-untyped-call]
+    except (lmdb.verify.VerifyError, OSError) as err:
+        return [str(err)]
+
+
+def _discard_if_damaged(key: str) -> None:
+    """Replace a damaged cache file by an empty one before LMDB maps it.
+
+    Mapping a file with damaged pages can crash the process (a page pointer
+    past the map, a corrupted free list); the cache only holds copies of
+    verified bytes, so a damaged one is dropped. A finding is trusted only
+    if it is still there a moment later (another process may be committing).
+    """
+    if not os.path.exists(key) or not _damage(key):
+        return
+    time.sleep(0.2)
+    problems = _damage(key)
+    if not problems:
+        return
+    logger.warning("read cache %s is damaged (%s); starting an empty one", key, problems[0])
+    for path in (key, key + "-lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def _open_env(key: str, limit: int) -> tuple[Any, Any]:
+    _discard_if_damaged(key)
     lmdb_env.reserve_lock_file(key + "-lock")
     env = lmdb.open(
         key,

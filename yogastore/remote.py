@@ -680,9 +680,10 @@ class RemoteChunkSource:
             except InvalidArgumentError as err:
                 if attempt == _ATTEMPTS:
                     raise CorruptCacheError(
-                        f"{where}: bytes [{start}, {end}) were refused as past the end or came "
-                        f"back short {attempt} times; the chunk is shorter than the "
-                        f"{job.state.info.nbytes} bytes the manifest records: {err}"
+                        f"{where}: bytes [{start}, {end}) were refused as past the end, or "
+                        f"answered with another length, {attempt} times (the manifest records "
+                        f"{job.state.info.nbytes} bytes for this chunk: the chunk is shorter, or "
+                        f"the store or a proxy answers ranged reads wrongly): {err}"
                     ) from err
                 problem = f"range refused or short: {err}"
                 continue
