@@ -358,7 +358,7 @@ def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:
 
 def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
     """(d) the same index batches, gathered from memory with the same compiled range copy."""
-    from yogastore.rows import copy_ranges
+    from yogastore.format.memory import copy_ranges
 
     case, recs = ctx.case, ctx.recs
     x_len = np.diff(recs.x_off)

@@ -12,7 +12,8 @@ import pytest
 import yogastore
 from storage_backends.errors import CorruptCacheError, InvalidArgumentError
 from yogastore import boundedjson
-from yogastore.format import _PREFIX, MAGIC, parse_header
+from yogastore.format import MAGIC, parse_header
+from yogastore.format.layout import PREFIX as _PREFIX
 from yogastore.manifest import Manifest
 from yogastore.spec import MAX_DIM, ComponentSpec
 from yogastore.stream import StreamState

@@ -14,7 +14,7 @@ import tensorflow as tf
 import yogastore
 from yogastore._gather import gather_rows
 from yogastore.format import ALIGN
-from yogastore.rows import BufferPool
+from yogastore.format.memory import BufferPool
 
 SMALL, BIG = "small", "big"
 # Small records: Stream.batches gathers many batches at once and hands out views.

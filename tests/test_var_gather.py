@@ -15,7 +15,7 @@ import yogastore
 from yogastore import StringBuffer, StringFormat
 from yogastore._gather import gather_ranges, split_bytes
 from yogastore.format import ChunkBuilder, ChunkView, ColumnSpec
-from yogastore.rows import VarRows, _segments
+from yogastore.format.memory import VarRows, _segments
 
 N = 240
 

@@ -1,0 +1,173 @@
+"""Gathered batches as callers get them: one column of a batch, strings as objects or buffers."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+
+from storage_backends.errors import CorruptCacheError, UnsupportedElementError
+from yogastore.format.layout import ColumnSpec, IntArray
+
+try:  # compiled loops; without them the string split falls back to Python
+    from yogastore import _gather
+except ImportError:  # pragma: no cover - the package builds it on install
+    _gather = None  # type: ignore[assignment]
+
+__all__ = ["ColumnBatch", "StringBuffer", "StringFormat", "reshape_values", "split_strings"]
+
+
+class StringFormat(enum.Enum):
+    """How a batch hands over strings.
+
+    ``OBJECTS``: a numpy object array of ``bytes`` (one Python object per
+    string). ``BUFFERS``: a ``StringBuffer``, all bytes in one array plus
+    offsets, with no Python object per string.
+    """
+
+    OBJECTS = "objects"
+    BUFFERS = "buffers"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StringBuffer:
+    """Strings as one byte buffer plus offsets: string ``i`` is ``data[offsets[i]:offsets[i + 1]]``.
+
+    Attributes:
+        data: ``uint8`` array holding every string's bytes, back to back.
+        offsets: ``int64`` array of ``n + 1`` ascending byte offsets from 0.
+        shape: the shape of the string array (its product is ``n``), e.g.
+            ``(batch,)`` for a batch of scalar strings.
+    """
+
+    data: np.ndarray
+    offsets: np.ndarray
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.offsets) - 1
+        if n < 0 or math.prod(self.shape) != n:
+            raise UnsupportedElementError(
+                f"StringBuffer of shape {self.shape} needs {math.prod(self.shape) + 1} offsets, "
+                f"got {len(self.offsets)}"
+            )
+        if n and (self.offsets[0] != 0 or self.offsets[-1] > len(self.data)):
+            raise CorruptCacheError(
+                f"StringBuffer offsets run from {self.offsets[0]} to {self.offsets[-1]}, "
+                f"the buffer holds {len(self.data)} bytes"
+            )
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def lengths(self) -> IntArray:
+        """Return the length in bytes of every string (flat)."""
+        return np.diff(self.offsets)
+
+    def to_numpy(self) -> np.ndarray:
+        """Return the strings as a numpy object array of ``bytes`` of ``shape``."""
+        return split_strings(self.data, self.offsets).reshape(self.shape)
+
+
+def split_strings(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Return ``data[offsets[i]:offsets[i + 1]]`` for each ``i`` as a flat object array."""
+    n = len(offsets) - 1
+    out = np.empty(max(n, 0), dtype=object)
+    if n <= 0:
+        return out
+    if _gather is not None:
+        try:
+            out[:] = _gather.split_bytes(data, np.ascontiguousarray(offsets, dtype=np.int64))
+        except IndexError as err:
+            raise CorruptCacheError(f"string offsets out of bounds: {err}") from err
+        return out
+    raw = data.tobytes()  # pragma: no cover - the package builds the extension
+    bounds = offsets.tolist()  # pragma: no cover
+    out[:] = [raw[a:b] for a, b in itertools.pairwise(bounds)]  # pragma: no cover
+    return out  # pragma: no cover
+
+
+@dataclasses.dataclass(slots=True)
+class ColumnBatch:
+    """One column of a batch of records, in batch order."""
+
+    spec: ColumnSpec
+    data: np.ndarray
+    shapes: np.ndarray  # [B, ndim]
+    offsets: np.ndarray | None = None
+    boffsets: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def record(self, i: int) -> Any:
+        """Return record ``i`` as numpy (bytes for scalar strings)."""
+        if self.spec.layout == "fixed":
+            return self.data[i]
+        if self.offsets is None:  # pragma: no cover - var/bytes always have offsets
+            raise CorruptCacheError("column batch lacks offsets")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        shape = tuple(int(d) for d in self.shapes[i])
+        if self.spec.layout == "var":
+            return self.data[a:b].reshape(shape)
+        if self.boffsets is None:  # pragma: no cover
+            raise CorruptCacheError("string column batch lacks byte offsets")
+        bo = self.boffsets
+        strings = [self.data[int(bo[j]) : int(bo[j + 1])].tobytes() for j in range(a, b)]
+        if not shape:
+            return strings[0]
+        out = np.empty(len(strings), dtype=object)
+        out[:] = strings
+        return out.reshape(shape)
+
+    def strings(self) -> np.ndarray:
+        """Return all strings of the batch as a flat object array."""
+        if self.boffsets is None:
+            raise UnsupportedElementError("not a string column")
+        return split_strings(self.data, self.boffsets)
+
+    def values(self, strings: StringFormat = StringFormat.OBJECTS) -> Any:
+        """Return the flat values: numbers, or strings as ``strings`` says."""
+        if self.spec.layout != "bytes":
+            return self.data.reshape(-1)
+        if strings is StringFormat.BUFFERS:
+            if self.boffsets is None:  # pragma: no cover - bytes columns have them
+                raise UnsupportedElementError("not a string column")
+            return StringBuffer(self.data, self.boffsets, (len(self.boffsets) - 1,))
+        return self.strings()
+
+    def stacked(self, where: str, strings: StringFormat = StringFormat.OBJECTS) -> Any:
+        """Return the batch as one dense ``[B, *shape]`` array (shapes must agree).
+
+        Strings come as ``strings`` says (a ``StringBuffer`` of that shape for
+        ``BUFFERS``).
+        """
+        if self.spec.layout == "fixed":
+            return self.data
+        if len(self) and np.any(self.shapes != self.shapes[:1]):
+            raise UnsupportedElementError(
+                f"{where}: cannot batch records of different shapes into one dense array "
+                "(as tf.data.Dataset.batch would fail); pass batching=Batching.PADDED or "
+                "Batching.RAGGED (yogastore.tf_map) to to_tf_dataset, or read them unbatched"
+            )
+        shape = (
+            tuple(int(d) for d in self.shapes[0])
+            if len(self)
+            else tuple(d or 0 for d in self.spec.shape)
+        )
+        return reshape_values(self.values(strings), (len(self), *shape))
+
+
+def reshape_values(values: Any, shape: tuple[int, ...]) -> Any:
+    """Reshape flat values (an array or a ``StringBuffer``); one dimension may be -1."""
+    if not isinstance(values, StringBuffer):
+        return values.reshape(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        missing = (len(values.offsets) - 1) // known if known else 0
+        shape = tuple(missing if d == -1 else d for d in shape)
+    return StringBuffer(values.data, values.offsets, shape)

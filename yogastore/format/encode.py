@@ -1,0 +1,199 @@
+"""Writing chunks: records in, chunk bytes (index regions first, then data) out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from storage_backends.errors import UnsupportedElementError
+from yogastore.blocks import block_size, digest_blocks
+from yogastore.format.layout import I64, MAGIC, PREFIX, ColumnSpec, align
+
+__all__ = ["ChunkBuilder", "Region", "encode_chunk"]
+
+
+class ChunkBuilder:
+    """Accumulates records column by column and encodes them as one chunk."""
+
+    def __init__(self, columns: Sequence[ColumnSpec]) -> None:
+        self.columns = list(columns)
+        self.count = 0
+        self.nbytes = 0
+        self._parts: list[list[Any]] = [[] for _ in self.columns]
+
+    def add_batch(self, arrays: Sequence[np.ndarray]) -> None:
+        """Add ``n`` records given as one ``[n, ...]`` array per column (fixed/bytes)."""
+        n = len(arrays[0])
+        for col, parts, arr in zip(self.columns, self._parts, arrays, strict=True):
+            if col.layout == "fixed":
+                a = np.ascontiguousarray(arr, dtype=col.np_dtype)
+                if a.shape[1:] != col.shape or len(a) != n:
+                    raise UnsupportedElementError(
+                        f"batch of shape {a.shape} does not match record shape {col.shape}"
+                    )
+                parts.append(a)
+                self.nbytes += a.nbytes
+            else:
+                for record in arr:
+                    self._add_one(col, parts, record)
+        self.count += n
+
+    def add_record(self, values: Sequence[Any]) -> None:
+        """Add one record given as one value per column."""
+        for col, parts, value in zip(self.columns, self._parts, values, strict=True):
+            if col.layout == "fixed":
+                a = np.asarray(value, dtype=col.np_dtype)
+                if a.shape != col.shape:
+                    raise UnsupportedElementError(
+                        f"value of shape {a.shape} does not match {col.shape}"
+                    )
+                parts.append(a[None])
+                self.nbytes += a.nbytes
+            else:
+                self._add_one(col, parts, value)
+        self.count += 1
+
+    def _add_one(self, col: ColumnSpec, parts: list[Any], value: Any) -> None:
+        if col.layout == "bytes":
+            a = np.asarray(value, dtype=object)
+            _check_shape(col, a.shape)
+            strings = [
+                s if isinstance(s, bytes) else str(s).encode() if isinstance(s, str) else bytes(s)
+                for s in a.reshape(-1)
+            ]
+            parts.append((a.shape, strings))
+            self.nbytes += sum(len(s) for s in strings) + 8 * (len(strings) + 1)
+        else:
+            a = np.asarray(value, dtype=col.np_dtype)
+            _check_shape(col, a.shape)
+            parts.append(a)
+            self.nbytes += a.nbytes + 8 * (col.ndim + 1)
+
+    def encode(self) -> bytes:
+        """Return the chunk bytes for everything added so far."""
+        regions: list[tuple[str, int, Region]] = []  # (kind, col, data)
+        for i, (col, parts) in enumerate(zip(self.columns, self._parts, strict=True)):
+            if col.layout == "fixed":
+                # The parts are copied straight into the chunk, not concatenated first.
+                regions.append(("data", i, [np.ascontiguousarray(p, col.np_dtype) for p in parts]))
+                continue
+            if col.layout == "var":
+                shapes = np.array([p.shape for p in parts], dtype=I64).reshape(len(parts), col.ndim)
+                counts = np.array([p.size for p in parts], dtype=I64)
+                flat = (
+                    np.concatenate([p.reshape(-1) for p in parts])
+                    if parts
+                    else np.empty(0, col.np_dtype)
+                )
+                data_part: np.ndarray | bytes = np.ascontiguousarray(flat, col.np_dtype)
+            else:
+                shapes = np.array([p[0] for p in parts], dtype=I64).reshape(len(parts), col.ndim)
+                counts = np.array([len(p[1]) for p in parts], dtype=I64)
+                strings = [s for p in parts for s in p[1]]
+                lens = np.fromiter((len(s) for s in strings), dtype=I64, count=len(strings))
+                regions.append(("boffsets", i, np.concatenate([[0], np.cumsum(lens)]).astype(I64)))
+                data_part = b"".join(strings)
+            if col.has_shapes:
+                regions.append(("shapes", i, shapes))
+            regions.append(("offsets", i, np.concatenate([[0], np.cumsum(counts)]).astype(I64)))
+            regions.append(("data", i, data_part))
+        return encode_chunk(self.count, len(self.columns), regions)
+
+
+def _check_shape(col: ColumnSpec, shape: tuple[int, ...]) -> None:
+    if len(shape) != col.ndim or any(
+        d is not None and d != s for d, s in zip(col.shape, shape, strict=True)
+    ):
+        raise UnsupportedElementError(f"value of shape {shape} does not match {col.shape}")
+
+
+#: A region's content: an array, bytes, or a list of arrays laid out one after another.
+Region = np.ndarray | bytes | list[np.ndarray]
+
+
+def _pieces(buf: Region) -> list[memoryview]:
+    arrays = buf if isinstance(buf, list) else [buf]
+    out = []
+    for a in arrays:
+        if isinstance(a, np.ndarray):
+            # As raw bytes: some dtypes (bfloat16) have no buffer-protocol format.
+            view = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+        else:
+            view = memoryview(a)
+        out.append(view.cast("B") if view.nbytes else memoryview(b""))
+    return out
+
+
+def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int, Region]]) -> bytes:
+    """Lay out regions (index regions first) behind a JSON header.
+
+    The index ends with the data area's block checksum table
+    (``yogastore.blocks``), so verifying the index verifies the table.
+    """
+    ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
+    contents = [_pieces(buf) for _k, _c, buf in ordered]
+    sizes = [sum(v.nbytes for v in views) for views in contents]
+    # The data area's length does not depend on where it starts (each region
+    # is aligned), so the size of its checksum table is known before layout.
+    span = 0
+    for (kind, _c, _b), size in zip(ordered, sizes, strict=True):
+        if kind == "data":
+            span = align(span + size)
+    block = block_size(span)
+    table_bytes = 8 * -(-span // block)
+    # The header lists region offsets, which depend on the header's own size:
+    # reserve room, and grow it until the header fits.
+    room = 128 + 64 * len(ordered)
+    while True:
+        cols: list[dict[str, list[int]]] = [{} for _ in range(num_columns)]
+        pos = align(PREFIX.size + room)
+        starts = []
+        index_end = pos
+        table_at = -1
+        for (kind, col, _buf), size in zip(ordered, sizes, strict=True):
+            if kind == "data" and table_at < 0:
+                table_at, index_end = pos, pos + table_bytes
+                pos = align(index_end)
+            starts.append(pos)
+            cols[col][kind] = [pos, size]
+            if kind != "data":
+                index_end = pos + size
+            pos = align(pos + size)
+        if table_at < 0:
+            table_at, index_end = pos, pos + table_bytes
+            pos = align(index_end)
+        base = align(index_end)
+        blocks = [table_at, table_bytes, base, block]
+        header = json.dumps(
+            {"k": count, "cols": cols, "index_end": index_end, "blocks": blocks},
+            separators=(",", ":"),
+        ).encode()
+        if len(header) <= room:
+            break
+        room = len(header) + 64
+    # The data area, piece by piece with its zero padding, hashed where it lies.
+    data_pieces: list[bytes | memoryview] = []
+    end = base
+    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
+        if kind != "data":
+            continue
+        data_pieces.append(bytes(start - end))
+        data_pieces.extend(views)
+        end = start + size
+    data_pieces.append(bytes(pos - end))
+    table = digest_blocks(data_pieces, block)
+    # One join: every byte is copied once; gaps (alignment padding) are zeros.
+    pieces: list[bytes | memoryview] = [PREFIX.pack(MAGIC, len(header)), header]
+    end = PREFIX.size + len(header)
+    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
+        if kind == "data":
+            break
+        pieces.append(bytes(start - end))
+        pieces.extend(views)
+        end = start + size
+    pieces += [bytes(table_at - end), table.data.cast("B"), bytes(base - table_at - table_bytes)]
+    pieces += data_pieces
+    return b"".join(pieces)

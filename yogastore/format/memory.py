@@ -1,0 +1,465 @@
+"""Gathers of the read path: compiled copies from chunk views into pooled buffers.
+
+Invariants (the memory tricks of the read path live here and only here:
+``BufferPool``'s reuse by reference count, the strided spans of ``FixedRows``,
+``VarRows`` and ``_gather_fixed``; nothing outside this module builds either):
+
+* A *span* is a read-only ``uint8`` view from the lowest to the highest
+  address of the chunk arrays added to it (for LMDB all inside one memory
+  map). Only bytes inside chunk regions are ever read through it: row and
+  range starts come from ``locate`` and from each chunk's offsets, which
+  ``ChunkView`` validated and every gather checks again against the chunk's
+  own sizes before copying; the compiled copies check every range against the
+  span as well. The object holding a span keeps every spanned array alive.
+* ``BufferPool`` hands a buffer out again only when the pool's own reference
+  is the last one: any view of a batch a caller (or TensorFlow) keeps pins it.
+* No per-record Python work: a batch of one column is a handful of numpy
+  operations on arrays of one entry per record, and one compiled copy.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from storage_backends.errors import CorruptCacheError, UnsupportedElementError
+from yogastore.format.batch import ColumnBatch
+from yogastore.format.decode import ChunkView
+from yogastore.format.layout import ALIGN, ColumnSpec, dims_or_zero
+
+try:  # the compiled copies; without them numpy does the same (slower)
+    from yogastore import _gather
+except ImportError:  # pragma: no cover - the package builds it on install
+    _gather = None  # type: ignore[assignment]
+
+__all__ = [
+    "BufferPool",
+    "FixedRows",
+    "VarRows",
+    "copy_ranges",
+    "copy_rows",
+    "gather_views",
+]
+
+IntArray = npt.NDArray[np.int64]
+
+
+# Compiled copies and their numpy definitions ------------------------------------
+
+
+def _segments(starts: IntArray, lengths: IntArray) -> IntArray:
+    """Return ``concat(arange(s, s + n) for s, n in zip(starts, lengths))``."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - ends + lengths, lengths) + np.arange(total, dtype=np.int64)
+
+
+def copy_rows(dst: np.ndarray, src: np.ndarray, starts: IntArray, row: int) -> None:
+    """Copy ``src[starts[i]:starts[i] + row]`` to ``dst[i * row:(i + 1) * row]`` (bytes)."""
+    if _gather is not None:
+        _gather.gather_rows(dst, src, starts, row)
+        return
+    flat = dst.reshape(-1).view(np.uint8)  # pragma: no cover - numpy definition
+    flat[: len(starts) * row] = src[
+        (starts[:, None] + np.arange(row)).reshape(-1)
+    ]  # pragma: no cover
+
+
+def copy_ranges(dst: np.ndarray, src: np.ndarray, starts: IntArray, lengths: IntArray) -> int:
+    """Append ``src[starts[i]:starts[i] + lengths[i]]`` to ``dst`` (bytes); return the total."""
+    if _gather is not None:
+        total: int = _gather.gather_ranges(dst, src, starts, lengths)
+        return total
+    flat = dst.reshape(-1).view(np.uint8)  # pragma: no cover - numpy definition
+    total = int(lengths.sum())  # pragma: no cover
+    flat[:total] = src[_segments(starts, lengths)]  # pragma: no cover
+    return total  # pragma: no cover
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+# Fixed-shape columns of many chunks are gathered with ONE fancy index: each
+# chunk's column is a C-contiguous ``[k, *shape]`` array somewhere in memory
+# (for LMDB, all inside one memory map), and a read-only byte view spanning
+# from the lowest to the highest of them reaches every row: row ``j`` starts at
+# ``address(chunk[j]) - lowest + local[j] * row_bytes``. Only those rows are
+# ever read; ``locate`` and each chunk's validated record count keep every row
+# inside its own chunk, and the caller keeps every spanned buffer alive.
+
+
+def _row_span(lowest: np.ndarray, end: int, row: int) -> np.ndarray:
+    """Return ``[end - address(lowest) - row + 1, row]`` byte rows starting at ``lowest``."""
+    flat = lowest.reshape(-1).view(np.uint8)
+    start = int(lowest.__array_interface__["data"][0])
+    return np.lib.stride_tricks.as_strided(
+        flat, shape=(end - start - row + 1, row), strides=(1, 1), writeable=False
+    )
+
+
+def _gather_fixed(
+    spec: ColumnSpec, views: Sequence[ChunkView], which: IntArray, local: IntArray, column: int
+) -> np.ndarray:
+    """Gather fixed-shape records of ``views`` with one fancy index (see above)."""
+    n = len(local)
+    dims = dims_or_zero(spec)
+    row = spec.np_dtype.itemsize * math.prod(dims)
+    if n == 0 or row == 0:
+        return np.empty((n, *dims), spec.np_dtype)
+    cols = [v.columns[column] for v in views]
+    if len(cols) == 1:
+        return np.ascontiguousarray(cols[0].data[local])
+    addresses = np.array([c.address for c in cols], dtype=np.int64)
+    low = int(addresses.argmin())
+    rows = _row_span(cols[low].data, max(c.address + c.data.nbytes for c in cols), row)
+    starts = (addresses - cols[low].address)[which] + local * row
+    out: np.ndarray = rows[starts].view(spec.np_dtype).reshape(n, *dims)
+    return out
+
+
+def _rounded(size: int) -> int:
+    """Return ``size`` rounded up to a multiple of 1/16 of the next power of two."""
+    step = max(ALIGN, (1 << max(size - 1, 1).bit_length()) // 16)
+    return -(-size // step) * step
+
+
+class BufferPool:
+    """Aligned byte buffers for gathered batches, reused once nobody else holds them.
+
+    ``take`` returns a ``ALIGN``-aligned array; its memory is handed out again
+    only when the pool's own reference is the last one left: a batch the
+    caller keeps, or a tensor TensorFlow made from it without copying (it
+    does so for aligned arrays and keeps the array alive), is never
+    overwritten. Reusing memory spares the page faults of fresh allocations;
+    the pool never holds more buffers than were alive at once, at most
+    ``max_buffers``.
+    """
+
+    def __init__(self, max_buffers: int = 8) -> None:
+        self._buffers: list[np.ndarray] = []
+        self._max = max_buffers
+        self._lock = threading.Lock()
+        probe = [np.empty(ALIGN, np.uint8)]
+        self._idle = self._refs(probe, 0)  # count of a buffer only the pool holds
+
+    @staticmethod
+    def _refs(buffers: list[np.ndarray], i: int) -> int:
+        return sys.getrefcount(buffers[i])
+
+    @staticmethod
+    def _aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
+        start = -int(raw.__array_interface__["data"][0]) % ALIGN
+        return raw[start : start + nbytes]
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """Return a writable, aligned ``uint8`` array of ``nbytes`` (contents undefined).
+
+        An idle buffer is reused when it holds ``nbytes`` but not more than
+        twice that; new buffers are rounded up (by at most about 1/8) so
+        that batches of varying size (strings, ragged values) find one.
+        """
+        size = nbytes + ALIGN
+        with self._lock:
+            spare = -1
+            for i in range(len(self._buffers)):
+                if self._refs(self._buffers, i) != self._idle:
+                    continue
+                if size <= self._buffers[i].size <= 2 * size:
+                    return self._aligned(self._buffers[i], nbytes)
+                spare = i
+            raw = np.empty(_rounded(size), np.uint8)
+            if spare >= 0:  # an idle buffer of another size makes room
+                self._buffers[spare] = raw
+            elif len(self._buffers) < self._max:
+                self._buffers.append(raw)
+            return self._aligned(raw, nbytes)
+
+    def clear(self) -> None:
+        """Drop the pool's references (buffers still in use live on with their users)."""
+        with self._lock:
+            self._buffers.clear()
+
+
+class FixedRows:
+    """One fixed-shape column across the chunks a source holds, gathered in one call.
+
+    ``add`` each chunk's view once before gathering its records; the object
+    keeps the spanned arrays alive. Safe to gather from several threads while
+    another adds chunks: a gather uses one consistent (span, lowest) snapshot.
+    With the compiled ``_gather`` module, rows are copied straight into
+    aligned buffers from ``pool``; otherwise one numpy fancy index does it.
+
+    Args:
+        spec: the column (``fixed`` layout).
+        num_chunks: chunks in the dataset.
+        pool: where output buffers come from (default: a pool of its own).
+    """
+
+    def __init__(self, spec: ColumnSpec, num_chunks: int, pool: BufferPool | None = None) -> None:
+        if spec.layout != "fixed":
+            raise UnsupportedElementError(f"FixedRows needs a fixed column, got {spec.layout}")
+        self.spec = spec
+        self._dims = dims_or_zero(spec)
+        self._dtype = spec.np_dtype
+        self._row = self._dtype.itemsize * math.prod(self._dims)
+        self._known = np.array(spec.shape, dtype=np.int64)
+        self._shapes = np.broadcast_to(self._known, (0, spec.ndim))  # last batch's, reused
+        self._addresses = np.zeros(num_chunks, dtype=np.int64)
+        self._arrays: list[np.ndarray] = []
+        self._lowest: np.ndarray | None = None
+        self._end = 0
+        # (byte rows, their address, the same bytes as one flat array)
+        self._span: tuple[np.ndarray, int, np.ndarray] | None = None
+        self._pool = pool if pool is not None else BufferPool()
+        self._lock = threading.Lock()
+
+    def add(self, chunk: int, view: ChunkView, column: int) -> None:
+        """Make chunk ``chunk``'s records of this column gatherable."""
+        col = view.columns[column]
+        with self._lock:
+            self._addresses[chunk] = col.address
+            if col.data.nbytes == 0 or self._row == 0:
+                return
+            self._arrays.append(col.data)
+            end = col.address + col.data.nbytes
+            lowest = self._span[1] if self._span is not None else None
+            if lowest is not None and col.address >= lowest and end <= self._end:
+                return
+            if self._lowest is None or lowest is None or col.address < lowest:
+                self._lowest = col.data
+            self._end = max(self._end, end)
+            rows = _row_span(self._lowest, self._end, self._row)
+            start = int(self._lowest.__array_interface__["data"][0])
+            flat = np.lib.stride_tricks.as_strided(
+                rows, shape=(self._end - start,), strides=(1,), writeable=False
+            )
+            self._span = (rows, start, flat)
+
+    def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
+        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
+        n = len(local)
+        shapes = self._shapes
+        if len(shapes) != n:
+            shapes = self._shapes = np.broadcast_to(self._known, (n, self.spec.ndim))
+        span = self._span
+        if n == 0 or span is None:
+            return ColumnBatch(self.spec, np.empty((n, *self._dims), self._dtype), shapes)
+        rows, lowest, flat = span
+        addresses = self._addresses[chunks]
+        if not addresses.all():
+            raise RuntimeError("FixedRows.gather: a chunk of the batch was never added")
+        starts = addresses - lowest + local * self._row
+        if _gather is None:  # pragma: no cover - exercised when the extension is absent
+            data = rows[starts]
+        else:
+            data = self._pool.take(n * self._row)
+            _gather.gather_rows(data, flat, starts, self._row)
+        return ColumnBatch(self.spec, data.view(self._dtype).reshape(n, *self._dims), shapes)
+
+
+class VarRows:
+    """One variable-length column (``var`` or ``bytes``) across chunks, gathered by range copies.
+
+    ``add`` each chunk's view once before gathering its records. A gather
+    reads each record's two offsets (one 16-byte row copy per record), checks
+    them against the chunk's sizes, then copies the selected byte ranges into
+    one pooled buffer (one compiled call) and builds the batch's offsets with
+    ``cumsum``. Strings take one more step: the records' string offsets, then
+    the strings' bytes. Safe to gather from several threads while another
+    adds chunks.
+
+    Args:
+        spec: the column (``var`` or ``bytes`` layout).
+        num_chunks: chunks in the dataset.
+        pool: where output buffers come from (default: a pool of its own).
+    """
+
+    def __init__(self, spec: ColumnSpec, num_chunks: int, pool: BufferPool | None = None) -> None:
+        if spec.layout == "fixed":
+            raise UnsupportedElementError("VarRows needs a var or bytes column, got fixed")
+        self.spec = spec
+        self._strings = spec.layout == "bytes"
+        self._item = spec.np_dtype.itemsize
+        self._known = np.array(dims_or_zero(spec), dtype=np.int64)
+        self._shapes = np.broadcast_to(self._known, (0, spec.ndim))  # last batch's, reused
+        # Per chunk: addresses of the record offsets, shapes, string offsets and
+        # data, and the sizes offsets must stay within.
+        self._offsets = np.zeros(num_chunks, dtype=np.int64)
+        self._shape_rows = np.zeros(num_chunks, dtype=np.int64)
+        self._boffsets = np.zeros(num_chunks, dtype=np.int64)
+        self._data = np.zeros(num_chunks, dtype=np.int64)
+        self._items = np.zeros(num_chunks, dtype=np.int64)  # values (var) / strings (bytes)
+        self._nbytes = np.zeros(num_chunks, dtype=np.int64)  # data bytes
+        self._added = np.zeros(num_chunks, dtype=bool)
+        self._where: dict[int, str] = {}
+        self._arrays: list[np.ndarray] = []
+        self._lowest: np.ndarray | None = None
+        self._low = 0
+        self._end = 0
+        self._span: tuple[np.ndarray, int] | None = None  # (flat bytes, their address)
+        self._pool = pool if pool is not None else BufferPool()
+        self._lock = threading.Lock()
+
+    def add(self, chunk: int, view: ChunkView, column: int) -> None:
+        """Make chunk ``chunk``'s records of this column gatherable."""
+        col = view.columns[column]
+        if col.offsets is None or (self._strings and col.boffsets is None):
+            raise CorruptCacheError(f"{view.where}: column {column} lacks its offsets")
+        arrays = [a for a in (col.offsets, col.shapes, col.boffsets, col.data) if a is not None]
+        with self._lock:
+            self._offsets[chunk] = _address(col.offsets)
+            if col.shapes is not None:
+                self._shape_rows[chunk] = _address(col.shapes)
+            if col.boffsets is not None:
+                self._boffsets[chunk] = _address(col.boffsets)
+                self._items[chunk] = len(col.boffsets) - 1
+            else:
+                self._items[chunk] = col.data.size
+            self._data[chunk] = col.address
+            self._nbytes[chunk] = col.data.nbytes
+            self._where[chunk] = view.where
+            grown = False
+            for a in arrays:
+                if a.nbytes == 0:
+                    continue  # never read: zero-length ranges are copied from start 0
+                start, end = _address(a), _address(a) + a.nbytes
+                self._arrays.append(a)
+                if self._lowest is None or start < self._low:
+                    self._lowest, self._low, grown = a, start, True
+                if end > self._end:
+                    self._end, grown = end, True
+            if grown and self._lowest is not None:
+                flat = self._lowest.reshape(-1).view(np.uint8)
+                span = np.lib.stride_tricks.as_strided(
+                    flat, shape=(self._end - self._low,), strides=(1,), writeable=False
+                )
+                self._span = (span, self._low)
+            self._added[chunk] = True
+
+    def _corrupt(self, chunks: IntArray, bad: np.ndarray, what: str) -> CorruptCacheError:
+        chunk = int(chunks[int(np.argmax(bad))])
+        where = self._where.get(chunk, f"chunk {chunk}")
+        return CorruptCacheError(
+            f"{where}: {self.spec.layout} column {what}; the cache is corrupted, delete and "
+            "rebuild this version"
+        )
+
+    def _record_shapes(
+        self, flat: np.ndarray, low: int, chunks: IntArray, local: IntArray
+    ) -> IntArray:
+        n, ndim = len(local), self.spec.ndim
+        if not self.spec.has_shapes:
+            shapes = self._shapes
+            if len(shapes) != n:
+                shapes = self._shapes = np.broadcast_to(self._known, (n, ndim))
+            return shapes
+        out = np.empty((n, ndim), dtype=np.int64)
+        copy_rows(out, flat, self._shape_rows[chunks] - low + local * (8 * ndim), 8 * ndim)
+        return out
+
+    def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
+        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
+        n = len(local)
+        span = self._span
+        if n and not self._added[chunks].all():
+            raise RuntimeError("VarRows.gather: a chunk of the batch was never added")
+        if n == 0 or span is None:
+            return _empty_batch(self.spec, n)
+        flat, low = span
+        try:
+            pairs = np.empty((n, 2), dtype=np.int64)
+            copy_rows(pairs, flat, self._offsets[chunks] - low + local * 8, 16)
+            first, last = pairs[:, 0], pairs[:, 1]
+            counts = last - first
+            bad = (first < 0) | (counts < 0) | (last > self._items[chunks])
+            if bad.any():
+                raise self._corrupt(chunks, bad, "record offsets out of bounds")
+            shapes = self._record_shapes(flat, low, chunks, local)
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            if not self._strings:
+                item = self._item
+                data = self._pool.take(int(offsets[-1]) * item)
+                lengths = counts * item
+                starts = np.where(lengths > 0, self._data[chunks] - low + first * item, 0)
+                copy_ranges(data, flat, starts, lengths)
+                return ColumnBatch(self.spec, data.view(self.spec.np_dtype), shapes, offsets)
+            return self._gather_strings(flat, low, chunks, first, counts, shapes, offsets)
+        except IndexError as err:  # a range outside the span: offsets changed under us
+            raise CorruptCacheError(
+                f"{self._where.get(int(chunks[0]), 'chunk')}: {err}; the cache is corrupted"
+            ) from err
+
+    def _gather_strings(
+        self,
+        flat: np.ndarray,
+        low: int,
+        chunks: IntArray,
+        first: IntArray,
+        counts: IntArray,
+        shapes: IntArray,
+        offsets: IntArray,
+    ) -> ColumnBatch:
+        n = len(chunks)
+        base = self._boffsets[chunks] - low + first * 8
+        if np.all(counts == 1):  # scalar strings: each record's two string offsets
+            pairs = np.empty((n, 2), dtype=np.int64)
+            copy_rows(pairs, flat, base, 16)
+            begin, end, owner = pairs[:, 0], pairs[:, 1], chunks
+        else:  # each record's count + 1 string offsets, back to back
+            per = counts + 1
+            bounds = np.empty(int(per.sum()), dtype=np.int64)
+            copy_ranges(bounds.view(np.uint8), flat, base, per * 8)
+            stops = np.cumsum(per)
+            is_last = np.zeros(len(bounds), dtype=bool)
+            is_last[stops - 1] = True
+            is_first = np.zeros(len(bounds), dtype=bool)
+            is_first[stops - per] = True
+            begin, end, owner = bounds[~is_last], bounds[~is_first], np.repeat(chunks, counts)
+        lengths = end - begin
+        bad = (begin < 0) | (lengths < 0) | (end > self._nbytes[owner])
+        if bad.any():
+            raise self._corrupt(owner, bad, "string offsets out of bounds")
+        boffsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=boffsets[1:])
+        data = self._pool.take(int(boffsets[-1]))
+        copy_ranges(data, flat, np.where(lengths > 0, self._data[owner] - low + begin, 0), lengths)
+        return ColumnBatch(self.spec, data, shapes, offsets, boffsets)
+
+
+def _empty_batch(spec: ColumnSpec, n: int) -> ColumnBatch:
+    """A batch of ``n`` records of no values (no chunk added, or ``n == 0``)."""
+    shapes = np.broadcast_to(np.array(dims_or_zero(spec), dtype=np.int64), (n, spec.ndim))
+    data = np.empty(0, dtype=spec.np_dtype)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    if spec.layout == "bytes":
+        return ColumnBatch(spec, data, shapes, offsets, np.zeros(1, dtype=np.int64))
+    return ColumnBatch(spec, data, shapes, offsets)
+
+
+_SHARED_POOL = BufferPool()
+
+
+def gather_views(
+    spec: ColumnSpec, views: Sequence[ChunkView], which: IntArray, local: IntArray, column: int
+) -> ColumnBatch:
+    """Gather records ``local[j]`` of chunk ``views[which[j]]`` for one column.
+
+    For sources that hold views only for the current batch (remote reads).
+    """
+    n = len(local)
+    if spec.layout == "fixed":
+        shapes = np.broadcast_to(np.array(spec.shape, dtype=np.int64), (n, spec.ndim))
+        return ColumnBatch(spec, _gather_fixed(spec, views, which, local, column), shapes)
+    rows = VarRows(spec, len(views), _SHARED_POOL)
+    for c, view in enumerate(views):
+        rows.add(c, view, column)
+    return rows.gather(which, local)
