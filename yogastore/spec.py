@@ -446,8 +446,3 @@ def leaf_paths(structure: Any, count: int) -> list[str]:
 
     walk(structure, "")
     return paths
-
-
-def namedtuple_type(name: str, fields: Sequence[str]) -> type:
-    """Public hook for tests: the safe namedtuple class used when reading."""
-    return _namedtuple_class(name, tuple(fields))
