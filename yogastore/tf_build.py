@@ -1,0 +1,139 @@
+"""The first pass over a ``tf.data.Dataset``: its elements as numpy records or batches.
+
+Batched by tf.data when every component has a fixed shape (or can be split
+with numpy slices), so the per-element Python cost is paid once per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from yogastore.spec import Kind, RaggedValue, Schema, SparseValue, row_bytes
+from yogastore.stream import splittable
+
+__all__ = ["dataset_items", "numpy_records"]
+
+_FIRST_PASS_BATCH = 512  # records, at most
+_FIRST_PASS_START = 16  # records in the first batch; later ones double up to the cap
+_FIRST_PASS_BYTES = 8 << 20
+
+
+def _to_numpy(value: Any) -> Any:
+    if isinstance(value, tf.RaggedTensor):
+        return RaggedValue(
+            value.flat_values.numpy(), tuple(s.numpy() for s in value.nested_row_splits)
+        )
+    if isinstance(value, tf.SparseTensor):
+        return SparseValue(value.indices.numpy(), value.values.numpy(), value.dense_shape.numpy())
+    if hasattr(value, "flat_values") and hasattr(value, "nested_row_splits"):
+        return RaggedValue(
+            np.asarray(value.flat_values), tuple(np.asarray(s) for s in value.nested_row_splits)
+        )
+    if hasattr(value, "indices") and hasattr(value, "dense_shape"):
+        return SparseValue(
+            np.asarray(value.indices), np.asarray(value.values), np.asarray(value.dense_shape)
+        )
+    if hasattr(value, "numpy"):
+        return value.numpy()
+    return value
+
+
+def numpy_records(items: Iterable[Any]) -> Iterator[Any]:
+    """Convert elements holding tf values to numpy structures."""
+    for element in items:
+        yield tf.nest.map_structure(_to_numpy, element)
+
+
+def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
+    """Iterate a dataset for caching: whole batches when every component is fixed."""
+    from yogastore.writer import component_columns
+
+    if all(c.fixed for c in schema.components):
+        # About _FIRST_PASS_BYTES per batch: large records in small batches keep
+        # every buffer below the size at which malloc maps fresh memory each time.
+        size = max(1, min(_FIRST_PASS_BATCH, _FIRST_PASS_BYTES // max(1, row_bytes(schema))))
+        batched = _growing_batches(ds, size).prefetch(2)
+        for batch in batched.as_numpy_iterator():
+            yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
+        return
+    if splittable(schema):
+        yield from _records_of_batches(ds, schema)
+        return
+    for element in numpy_records(ds.prefetch(64)):
+        values: list[Any] = []
+        for comp, leaf, path in zip(
+            schema.components, schema.flatten(_plain(element)), schema.paths, strict=True
+        ):
+            values.extend(component_columns(comp, leaf, path))
+        yield "record", values
+
+
+def _growing_batches(ds: tf.data.Dataset, cap: int) -> tf.data.Dataset:
+    """Batch ``ds`` in batches of 16, 32, 64, ... records, then of about ``cap``.
+
+    A slow source (a second per record) then shows progress after its first
+    16 records, not after ``cap``. The batches of 16 are regrouped in tf.data
+    (one key function call per 16 records), not in Python.
+    """
+    base = min(_FIRST_PASS_START, cap)
+    counts = [1]  # batches of ``base`` per output batch, per step of growth
+    while counts[-1] * 2 * base <= cap:
+        counts.append(counts[-1] * 2)
+    if len(counts) == 1:
+        return ds.batch(base)
+    starts = tf.constant(np.cumsum([0, *counts[:-1]]), tf.int64)
+    sizes = tf.constant(counts, tf.int64)
+
+    def key(i: tf.Tensor, _batch: Any) -> tf.Tensor:
+        return tf.reduce_sum(tf.cast(i >= starts, tf.int64)) - 1
+
+    def window_size(k: tf.Tensor) -> tf.Tensor:
+        return tf.gather(sizes, k)
+
+    def regroup(k: tf.Tensor, window: tf.data.Dataset) -> tf.data.Dataset:
+        return window.map(lambda _i, b: b).unbatch().batch(base * tf.gather(sizes, k))
+
+    convert = tf.autograph.experimental.do_not_convert  # plain graph code
+    return (
+        ds.batch(base)
+        .enumerate()
+        .group_by_window(convert(key), convert(regroup), window_size_func=convert(window_size))
+    )
+
+
+def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
+    """Yield the records of ``ds``, batched by tf.data and split with numpy slices.
+
+    For fixed-shape tensors (strings too) and rank-0 ragged components: tf.data's
+    per-element Python cost is then paid once per batch, not per record.
+    """
+    for batch in _growing_batches(ds, _FIRST_PASS_BATCH).prefetch(2):
+        leaves = schema.flatten(_plain(batch))
+        n = 0
+        getters: list[Any] = []
+        for comp, leaf in zip(schema.components, leaves, strict=True):
+            if comp.kind is Kind.TENSOR:
+                arr = np.asarray(leaf)
+                n = len(arr)
+                getters.append(arr)
+            else:
+                splits = np.asarray(leaf.nested_row_splits[0], dtype=np.int64)
+                n = len(splits) - 1
+                getters.append((np.asarray(leaf.flat_values), splits))
+        for i in range(n):
+            yield (
+                "record",
+                [
+                    g[i] if isinstance(g, np.ndarray) else g[0][g[1][i] : g[1][i + 1]]
+                    for g in getters
+                ],
+            )
+
+
+def _plain(element: Any) -> Any:
+    """Turn namedtuples and dicts from tf into plain nests the schema can walk."""
+    return tf.nest.map_structure(_to_numpy, element)

@@ -1,0 +1,302 @@
+"""The read bridge: a stream as a ``tf.data.Dataset``.
+
+One Python call per batch (or group of batches) hands flat numpy arrays to
+TensorFlow and a graph-mode ``map`` rebuilds ragged and sparse components
+from values and row splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from yogastore.assemble import batch_components, element_components
+from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, row_bytes
+from yogastore.stream import Stream, fixed_numeric, splittable
+from yogastore.tf_spec import tf_dtype
+
+__all__ = ["record_dataset", "to_tf_dataset"]
+
+_UNBATCH_INTERNAL = 256
+_GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, about
+_MAX_GROUP = 64  # batches per Python call, at most
+_PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
+_MAX_PREFETCH = 8
+
+
+def _finish(ds: tf.data.Dataset, element_bytes: int) -> tf.data.Dataset:
+    """Prefetch a fixed number of elements and switch the tf.data autotuner off.
+
+    On a 2-core machine the autotuner's model thread competes with the
+    generator for CPU and roughly every other epoch ran at 60% of the speed
+    (measured with ``benchmarks/read_throughput.py``); fixed buffers do not. A
+    caller's own ``with_options`` still overrides this.
+    """
+    depth = max(2, min(_MAX_PREFETCH, _PREFETCH_BYTES // max(1, element_bytes)))
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.prefetch(depth).with_options(options)
+
+
+def _wire(comp: ComponentSpec, value: Any) -> list[Any]:
+    if comp.kind is Kind.TENSOR:
+        return [value]
+    if comp.kind is Kind.RAGGED:
+        if isinstance(value, RaggedValue):
+            return [value.flat_values, *value.nested_row_splits]
+        return [value]
+    return [value.indices, value.values, value.dense_shape]
+
+
+def _wire_specs(comp: ComponentSpec, batch: int | None, batched: bool) -> list[tf.TensorSpec]:
+    dtype = tf_dtype(comp.dtype)
+    lead = [batch] if batched else []
+    if comp.kind is Kind.TENSOR:
+        return [tf.TensorSpec([*lead, *comp.shape], dtype)]
+    if comp.kind is Kind.RAGGED:
+        r = comp.ragged_rank
+        inner = list(comp.shape[r + 1 :])
+        splits = tf.as_dtype(comp.row_splits_dtype)
+        if not batched and r == 0:
+            return [tf.TensorSpec(list(comp.shape), dtype)]
+        nsplits = r + 1 if batched else r
+        return [tf.TensorSpec([None, *inner], dtype)] + [tf.TensorSpec([None], splits)] * nsplits
+    rank = len(comp.shape)
+    extra = 1 if batched else 0
+    return [
+        tf.TensorSpec([None, rank + extra], tf.int64),
+        tf.TensorSpec([None], dtype),
+        tf.TensorSpec([rank + extra], tf.int64),
+    ]
+
+
+def _rebuild(schema: Schema, wire: tuple[Any, ...], batch: int | None, batched: bool) -> Any:
+    out: list[Any] = []
+    i = 0
+    for comp in schema.components:
+        n = len(_wire_specs(comp, batch, batched))
+        parts = wire[i : i + n]
+        i += n
+        if comp.kind is Kind.TENSOR or (comp.kind is Kind.RAGGED and n == 1):
+            out.append(parts[0])
+        elif comp.kind is Kind.RAGGED:
+            rt = tf.RaggedTensor.from_nested_row_splits(parts[0], list(parts[1:]), validate=False)
+            shape = [batch, *comp.shape] if batched else list(comp.shape)
+            rt._set_shape(shape)  # restores the static dims tf.data expects
+            out.append(rt)
+        else:
+            st = tf.SparseTensor(parts[0], parts[1], parts[2])
+            st.set_shape([batch, *comp.shape] if batched else list(comp.shape))
+            out.append(st)
+    return schema.pack(out)
+
+
+def to_tf_dataset(
+    stream: Stream, batch_size: int | None, drop_remainder: bool = False
+) -> tf.data.Dataset:
+    """Return ``stream`` as a ``tf.data.Dataset`` (see ``Stream.to_tf_dataset``)."""
+    schema = stream.ref.schema
+    where = stream.ref.manifest.where
+    unbatch = batch_size is None
+    if fixed_numeric(schema):
+        return _fixed_dataset(stream, schema, batch_size, drop_remainder)
+    if unbatch and not any(c.kind is Kind.RAGGED and c.ragged_rank == 0 for c in schema.components):
+        # (A ragged_rank-0 component comes out of unbatching a batch, as in
+        # the source; per element it would be a dense TensorSpec.)
+        return _per_element_dataset(stream, schema)
+    if batch_size is not None and splittable(schema):
+        return _grouped_dataset(stream, schema, batch_size, drop_remainder)
+    size = _UNBATCH_INTERNAL if batch_size is None else batch_size
+    static = size if (drop_remainder and not unbatch) else None
+    specs = tuple(s for c in schema.components for s in _wire_specs(c, static, True))
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        # Strings cross as object arrays of bytes made in C (yogastore._gather.split_bytes):
+        # measured faster than one byte string per batch cut by tf.strings.substr, whose
+        # conversion into a tensor costs more than the per-string objects.
+        for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
+            comps = batch_components(schema, cols, where)
+            del cols
+            yield tuple(
+                w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
+            )
+            del comps
+
+    def rebuild(*w: Any) -> Any:
+        return _rebuild(schema, w, static, True)
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = ds.map(
+        tf.autograph.experimental.do_not_convert(rebuild),  # plain graph code, nothing to convert
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    if unbatch:
+        ds = ds.unbatch()
+    return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
+
+
+def _fixed_dataset(
+    stream: Stream, schema: Schema, batch_size: int | None, drop_remainder: bool
+) -> tf.data.Dataset:
+    """Fixed-shape components: several batches per Python call, split by ``unbatch``.
+
+    Each call of ``from_generator`` costs a few hundred microseconds whatever
+    its size, so the generator hands over ``[k, batch, ...]`` groups of ``k``
+    consecutive batches (about 8 MiB) and ``unbatch`` splits them in C++.
+    Batches of more than about 5 MiB go one per call, as they are. The arrays
+    come from the stream's aligned buffer pool, so ``from_generator`` wraps
+    them without a copy. With ``batch_size=None`` it hands over ``[n, ...]``
+    records and ``unbatch`` yields them one by one.
+    """
+    where = stream.ref.manifest.where
+    unbatch = batch_size is None
+    size = _UNBATCH_INTERNAL if batch_size is None else batch_size
+    k = stream.group_factor(size, _GROUP_BYTES, _MAX_GROUP)
+    comps = schema.components
+    inner = size if drop_remainder else None
+    # With one batch per call (large records) there is no group axis to split.
+    whole = unbatch or k == 1
+    lead = [None] if unbatch else [inner] if k == 1 else [None, inner]
+    specs = tuple(tf.TensorSpec([*lead, *c.shape], tf_dtype(c.dtype)) for c in comps)
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        for _records, cols in stream.column_batches(size * k):
+            arrays = batch_components(schema, cols, where)
+            n = len(arrays[0])
+            if whole:
+                if unbatch or n == size or not drop_remainder:
+                    yield tuple(arrays)
+                continue
+            full = n // size * size
+            if full:
+                yield tuple(a[:full].reshape(full // size, size, *a.shape[1:]) for a in arrays)
+            if full < n and not drop_remainder:
+                yield tuple(a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays)
+
+    # A flat tuple crosses from_generator faster and holds less memory than the
+    # nested element (measured with 38 MB batches); the graph map repacks it.
+    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = ds.map(lambda *w: schema.pack(list(w)))  # regroups tensors, no copy: no threads needed
+    if not whole or unbatch:
+        ds = ds.unbatch()
+    return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
+
+
+def _grouped_dataset(
+    stream: Stream, schema: Schema, batch_size: int, drop_remainder: bool
+) -> tf.data.Dataset:
+    """Strings and rank-0 ragged components: several batches per Python call, like fixed ones.
+
+    The generator hands over ``k`` consecutive batches as ``[k, batch, ...]`` tensors (ragged
+    components as flat values + row splits of ``k * batch`` rows, regrouped in the graph with
+    a uniform row length) and ``unbatch`` splits them in C++: the per-call cost of
+    ``from_generator`` is paid once per about ``_GROUP_BYTES``.
+    """
+    where = stream.ref.manifest.where
+    size = batch_size
+    per_record = stream.ref.manifest.nbytes / max(1, stream.ref.num_records)
+    k = max(1, min(_MAX_GROUP, round(_GROUP_BYTES / max(1.0, per_record * size))))
+    if type(stream).column_batches is not Stream.column_batches:
+        k = 1  # a subclass may give batches a meaning of their own (steps, padding)
+    static = size if drop_remainder else None
+    comps = schema.components
+    specs: list[tf.TensorSpec] = [tf.TensorSpec([], tf.int64)]  # rows per batch
+    for c in comps:
+        dtype = tf_dtype(c.dtype)
+        if c.kind is Kind.TENSOR:
+            specs.append(tf.TensorSpec([None, None, *c.shape], dtype))
+        else:
+            splits = tf.as_dtype(c.row_splits_dtype)
+            specs += [tf.TensorSpec([None, *c.shape[1:]], dtype), tf.TensorSpec([None], splits)]
+
+    def wire(arrays: list[Any], start: int, stop: int, rows: int) -> tuple[Any, ...]:
+        out: list[Any] = [np.int64(rows)]
+        for c, a in zip(comps, arrays, strict=True):
+            if c.kind is Kind.TENSOR:
+                part = a[start:stop]
+                out.append(part.reshape(len(part) // rows, rows, *part.shape[1:]))
+            else:
+                sp = a.nested_row_splits[0]
+                out += [a.flat_values[sp[start] : sp[stop]], sp[start : stop + 1] - sp[start]]
+        return tuple(out)
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        for _records, cols in stream.column_batches(size * k):
+            arrays = batch_components(schema, cols, where)
+            del cols
+            n = (
+                len(arrays[0])
+                if comps[0].kind is Kind.TENSOR
+                else len(arrays[0].nested_row_splits[0]) - 1
+            )
+            full = n // size * size
+            if full:
+                yield wire(arrays, 0, full, size)
+            if full < n and not drop_remainder:
+                yield wire(arrays, full, n, n - full)
+            del arrays
+
+    def regroup(rows: Any, *w: Any) -> Any:
+        out: list[Any] = []
+        i = 0
+        for c in comps:
+            if c.kind is Kind.TENSOR:
+                t = w[i]
+                t.set_shape([None, static, *c.shape])
+                out.append(t)
+                i += 1
+                continue
+            flat = tf.RaggedTensor.from_row_splits(w[i], w[i + 1], validate=False)
+            rt = tf.RaggedTensor.from_uniform_row_length(
+                flat, tf.cast(rows, flat.row_splits.dtype), validate=False
+            )
+            rt._set_shape([None, static, *c.shape])  # restores the static dims tf.data expects
+            out.append(rt)
+            i += 2
+        return schema.pack(out)
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=tuple(specs))
+    ds = ds.map(tf.autograph.experimental.do_not_convert(regroup)).unbatch()
+    return _finish(ds, row_bytes(schema) * size)
+
+
+def record_dataset(stream: Stream, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
+    """Return one element per record, read as the stream's batches of ``batch_size``.
+
+    For batching records whose dense components vary in shape (padded or
+    ragged batches): the records are exactly those of
+    ``to_tf_dataset(stream, batch_size, drop_remainder)``, in order, but never
+    stacked into one dense array. Ragged_rank-0 components come as dense
+    tensors.
+    """
+    return _per_element_dataset(stream, stream.ref.schema, batch_size, drop_remainder)
+
+
+def _per_element_dataset(
+    stream: Stream,
+    schema: Schema,
+    batch_size: int = _UNBATCH_INTERNAL,
+    drop_remainder: bool = False,
+) -> tf.data.Dataset:
+    specs = tuple(s for c in schema.components for s in _wire_specs(c, None, False))
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        # A stream subclass may give batches a meaning (steps), so read in its batches.
+        for _records, cols in stream.column_batches(batch_size, drop_remainder):
+            for i in range(len(cols[0]) if cols else 0):
+                comps = element_components(schema, cols, i)
+                yield tuple(
+                    w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
+                )
+
+    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = ds.map(
+        lambda *w: _rebuild(schema, w, None, False),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    return _finish(ds, row_bytes(schema))
