@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -463,3 +465,27 @@ def test_keras_callback_refuses_epochs_out_of_step_with_the_data(tmp_path: Path)
     callback = PositionCallback(position, manager)
     with pytest.raises(InvalidArgumentError, match="before data epoch"):
         model.fit(dataset, epochs=2, steps_per_epoch=3, callbacks=[callback], verbose=0)
+
+
+def test_position_callback_is_imported_on_first_use() -> None:
+    code = (
+        "import sys\n"
+        "import yogastore.distributed as yd\n"
+        "assert 'yogastore.keras_callback' not in sys.modules\n"
+        "assert not hasattr(yd, 'NoSuchName')\n"
+        "from yogastore.distributed import PositionCallback\n"
+        "assert PositionCallback is sys.modules['yogastore.keras_callback'].PositionCallback\n"
+        "import yogastore.position\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_position_arithmetic_needs_no_tensorflow() -> None:
+    code = (
+        "import sys\n"
+        "import yogastore.position, yogastore.steps\n"
+        "assert 'tensorflow' not in sys.modules, 'yogastore.position imported TensorFlow'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -8,7 +8,7 @@ import enum
 from storage_backends.errors import InvalidArgumentError
 from yogastore.stream import _check_int
 
-__all__ = ["EpochSize", "Remainder"]
+__all__ = ["EpochSize", "Remainder", "steps_for"]
 
 
 class Remainder(enum.Enum):
@@ -68,7 +68,7 @@ class EpochSize:
             return self.steps
         if self.records is not None:
             return max(1, self.records // (num_shards * per_step))
-        steps = _steps_for(num_records, num_shards, per_step, remainder)
+        steps = steps_for(num_records, num_shards, per_step, remainder)
         if steps == 0:
             raise InvalidArgumentError(
                 f"{num_records} records make no whole step of {num_shards} shards x "
@@ -77,7 +77,7 @@ class EpochSize:
         return steps
 
 
-def _steps_for(total: int, num_shards: int, per_step: int, remainder: Remainder) -> int:
+def steps_for(total: int, num_shards: int, per_step: int, remainder: Remainder) -> int:
     """Return the steps every shard runs over ``total`` records (equal on every shard)."""
     if remainder is Remainder.DROP:
         return (total // num_shards) // per_step
