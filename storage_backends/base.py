@@ -3,7 +3,10 @@
 A backend stores immutable byte values under ``/``-separated keys. It knows no
 schema and no TensorFlow. Public methods validate their arguments and then call
 small abstract primitives that each backend implements; a backend missing a
-primitive fails at construction (``abc``), not at first call.
+primitive fails at construction (``abc``), not at first call. What a backend
+offers beyond the primitives is declared as class attributes with defaults
+(``schemes``, ``remote``, ``coordinated``, ``upload_workers``,
+``max_parallel``), as fsspec does; yogastore reads them, never guesses.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def _check_prefix(prefix: str) -> str:
 class Backend(abc.ABC):
     """Abstract key/bytes store.
 
-    Rules every backend follows (checked by ``tests/backends/contract.py``):
+    Rules every backend follows (checked by ``storage_backends.contract``):
 
     * ``get_range(key, start, length)`` returns exactly ``length`` bytes; a
       range past the end of the value raises ``InvalidArgumentError``; a
@@ -63,10 +66,35 @@ class Backend(abc.ABC):
     * ``put_exclusive`` raises ``KeyExistsError`` if the key exists, atomically.
     * ``list(prefix)`` returns sorted keys starting with ``prefix``.
     * Missing keys raise ``KeyNotFoundError``.
+    * ``lock(name)`` excludes every other holder of ``name`` on the same
+      store, in this process (other threads, other backend objects) and in
+      others, and is released if its holder dies. A backend whose lock can be
+      lost while held (a lease that ran out) fences it: once lost, writes
+      under ``<name>/`` by the old holder raise ``LockLostError`` and an
+      exclusive write there (a commit) checks with the store first.
+
+    Subclasses are constructed as ``cls(url, **options)`` by
+    ``storage_backends.open_backend`` and must reject options they do not know
+    with ``InvalidArgumentError``.
     """
 
-    #: URL schemes this backend serves.
+    #: URL schemes this backend serves (``""``: a plain path). A scheme can be
+    #: registered (``storage_backends.register_backend``) only for a class
+    #: listing it.
     schemes: ClassVar[tuple[str, ...]] = ()
+    #: Whether reads cost requests (an object store): yogastore then reads it
+    #: through its remote reader (ranged reads, disk cache, look-ahead) instead
+    #: of mapping values in place, and block shuffle is the default.
+    remote: ClassVar[bool] = False
+    #: Whether ``put_exclusive`` and ``lock`` keep concurrent writers apart. If
+    #: not (a store trusted to have one writer), a builder never deletes keys
+    #: of other builds that look like leftovers.
+    coordinated: bool = True
+    #: Puts a builder keeps in flight.
+    upload_workers: int = 1
+    #: Ranged reads a remote reader keeps in flight unless
+    #: ``yogastore.ReadOptions.max_parallel`` says otherwise.
+    max_parallel: int = 16
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -92,7 +120,12 @@ class Backend(abc.ABC):
         return self._get_range(key, start, length)
 
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[Buffer]:
-        """Return several ``(start, length)`` ranges of one value, in order."""
+        """Return several ``(start, length)`` ranges of one value, in order.
+
+        The default reads them one by one; a remote backend may fetch them in
+        parallel. yogastore's remote reader schedules its own ranged reads and
+        does not call this.
+        """
         check_key(key)
         for start, length in ranges:
             if start < 0 or length < 0:

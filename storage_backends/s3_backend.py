@@ -20,7 +20,8 @@ Failure handling:
   answered by slicing the whole object.
 
 Build-once coordination uses conditional writes only (``lock`` returns an
-``storage_backends.s3_lock.S3Lock``): a lock object created with
+``storage_backends.s3_lock.S3Lock``, which sees this backend as a
+``storage_backends.conditional.ConditionalStore``): a lock object created with
 ``If-None-Match: *`` and a lease its holder renews with ``If-Match`` on the
 lock's ETag; a waiter that sees the same ETag for longer than the lease takes
 the lock over with the same conditional write. Writes under ``<name>/`` of a
@@ -36,20 +37,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import email.utils
 import errno
 import logging
 import os
-import random
 import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from storage_backends.base import Backend, Buffer
+from storage_backends.conditional import ObjectHead
 from storage_backends.errors import (
-    AccessDeniedError,
     BackendUnavailableError,
     CorruptCacheError,
     InvalidArgumentError,
@@ -57,10 +58,17 @@ from storage_backends.errors import (
     KeyNotFoundError,
     StorageError,
 )
+from storage_backends.s3_errors import (
+    ENDPOINT_ENV,
+    ConflictError,
+    Where,
+    backoff,
+    retried,
+    translate,
+)
+from storage_backends.s3_lock import S3Lock
 from storage_backends.s3_options import MIN_PART, Coordination, S3Options
-
-if TYPE_CHECKING:
-    from storage_backends.s3_lock import S3Lock
+from storage_backends.s3_probe import check_conditional_writes
 
 try:
     import boto3
@@ -75,24 +83,7 @@ __all__ = ["ENDPOINT_ENV", "ConflictError", "S3Backend", "S3Options", "retried"]
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable read when no ``endpoint_url`` option is given.
-ENDPOINT_ENV = "YOGASTORE_S3_ENDPOINT_URL"
-
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_LOCK_SUFFIX = ".lock"
-_UNAVAILABLE_CODES = {
-    "AccessDenied",
-    "AllAccessDisabled",
-    "AccountProblem",
-    "ExpiredToken",
-    "InvalidAccessKeyId",
-    "InvalidToken",
-    "NoSuchBucket",
-    "SignatureDoesNotMatch",
-    "403",
-    "Forbidden",
-}
-_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 # Backends of this process, reset in a fork child before any other code runs
@@ -108,20 +99,14 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-class ConflictError(StorageError):
-    """S3 answered 409 to a conditional write racing another one: try again."""
-
-
-def retried(err: BaseException) -> bool:
-    """Return whether the boto3 error behind ``err`` came after botocore retries.
-
-    A retried conditional write may meet its own first try, which had landed
-    although its answer was lost.
-    """
-    cause = err.__cause__
-    if not isinstance(cause, bce.ClientError):
-        return False
-    return bool(cause.response.get("ResponseMetadata", {}).get("RetryAttempts", 0))
+def _server_age(head: Mapping[str, Any]) -> float | None:
+    """Seconds since the object was last written, on the server's clock."""
+    try:
+        date = head["ResponseMetadata"]["HTTPHeaders"]["date"]
+        now = email.utils.parsedate_to_datetime(date)
+        return float((now - head["LastModified"]).total_seconds())
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _parse_url(url: str) -> tuple[str, str]:
@@ -152,7 +137,6 @@ class S3Backend(Backend):
     """
 
     schemes = ("s3",)
-    #: Reads cost requests: yogastore uses its ranged remote reader.
     remote = True
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -169,8 +153,9 @@ class S3Backend(Backend):
         self.endpoint_url = self.options.endpoint_url or os.environ.get(ENDPOINT_ENV) or None
         self.upload_workers = self.options.upload_workers
         self.max_parallel = self.options.max_parallel
-        self.cache_dir = self.options.cache_dir
-        self.cache_bytes = self.options.cache_bytes
+        # With coordination="single-writer" the store is trusted to have one
+        # writer, and leftovers of other builds are not swept.
+        self.coordinated = self.options.coordination is Coordination.PROBE
         self._client: Any = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
@@ -239,57 +224,8 @@ class S3Backend(Backend):
 
     def _translate(self, err: Exception, action: str, key: str | None) -> Exception:
         """Return the yogastore error for a boto3 error (the caller raises it ``from err``)."""
-        target = f"{action} {key!r} in {self.where}" if key else f"{action} in {self.where}"
-        if isinstance(
-            err, bce.NoCredentialsError | bce.PartialCredentialsError | bce.CredentialRetrievalError
-        ):
-            return AccessDeniedError(
-                errno.EACCES,
-                f"no usable AWS credentials for {target}: set AWS_ACCESS_KEY_ID and "
-                f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run with an instance role ({err})",
-            )
-        if isinstance(err, bce.NoRegionError):
-            return BackendUnavailableError(
-                errno.EINVAL, f"no AWS region for {target}: set AWS_DEFAULT_REGION or region="
-            )
-        if isinstance(err, bce.ConnectionError | bce.HTTPClientError):
-            return BackendUnavailableError(
-                errno.EHOSTUNREACH,
-                f"cannot reach the S3 endpoint for {target} after "
-                f"{self.options.max_attempts} attempts: {err}; check endpoint_url / "
-                f"${ENDPOINT_ENV} and the network",
-            )
-        if isinstance(err, bce.ClientError):
-            error = err.response.get("Error", {})
-            meta = err.response.get("ResponseMetadata", {})
-            code = str(error.get("Code", ""))
-            status = meta.get("HTTPStatusCode")
-            attempts = int(meta.get("RetryAttempts", 0)) + 1
-            detail = f"{code or status}: {error.get('Message', '')}".rstrip(": ")
-            if code == "NoSuchBucket":
-                return BackendUnavailableError(
-                    errno.ENOENT,
-                    f"S3 bucket {self.bucket!r} does not exist ({target}); "
-                    "create it or fix the URL",
-                )
-            if code in _UNAVAILABLE_CODES or status == 403:
-                return AccessDeniedError(
-                    errno.EACCES,
-                    f"access denied to {target} ({detail}); check the credentials and the "
-                    f"bucket policy for s3://{self.bucket}/{self.prefix}",
-                )
-            if code in _MISSING_CODES or status == 404:
-                return KeyNotFoundError(errno.ENOENT, f"no key {key!r} in {self.where}")
-            if code == "PreconditionFailed" or status == 412:
-                return KeyExistsError(errno.EEXIST, f"condition failed for {target}")
-            if code == "ConditionalRequestConflict" or status == 409:
-                return ConflictError(errno.EAGAIN, f"concurrent conditional write to {target}")
-            if code == "InvalidRange" or status == 416:
-                return InvalidArgumentError(f"byte range is past the end of the object: {target}")
-            return StorageError(
-                errno.EIO, f"S3 request failed: {target} after {attempts} attempt(s): {detail}"
-            )
-        return StorageError(errno.EIO, f"S3 request failed: {target}: {err}")
+        where = Where(action, key, self.where, self.bucket, self.prefix, self.options.max_attempts)
+        return translate(err, where)
 
     def _call(self, action: str, key: str | None, method: str, **kwargs: Any) -> Any:
         try:
@@ -324,7 +260,7 @@ class S3Backend(Backend):
                         f"reading {key!r} in {self.where} broke off {attempts} times: {err}",
                     ) from err
                 logger.debug("retrying broken read of %s: %s", key, err)
-                time.sleep(min(2.0, 0.05 * 2**attempt) * random.random())
+                time.sleep(backoff(attempt, 2.0))
                 continue
             finally:
                 resp["Body"].close()
@@ -333,7 +269,7 @@ class S3Backend(Backend):
                 return data, resp
             logger.debug("retrying short read of %s: %d of %d bytes", key, len(data), length)
             if attempt < attempts:
-                time.sleep(min(2.0, 0.05 * 2**attempt) * random.random())
+                time.sleep(backoff(attempt, 2.0))
         raise StorageError(
             errno.EIO,
             f"reading {key!r} in {self.where} came back shorter than announced "
@@ -469,7 +405,7 @@ class S3Backend(Backend):
                     errno.EEXIST, f"key {key!r} already exists in {self.where}"
                 ) from err
             except ConflictError:
-                time.sleep(min(1.0, 0.05 * 2**attempt) * random.random())
+                time.sleep(backoff(attempt, 1.0))
         raise KeyExistsError(
             errno.EEXIST, f"key {key!r} in {self.where} kept conflicting with other writers"
         )
@@ -479,6 +415,44 @@ class S3Backend(Backend):
             return bytes(self._get(key)) == bytes(data)
         except KeyNotFoundError:
             return False
+
+    # Conditional writes (``ConditionalStore``: the lock and the probe) -------
+
+    def warm_up(self) -> None:
+        """Create the client now (the lock times its requests)."""
+        self.client  # noqa: B018 - made on first use
+
+    def create_if_absent(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None
+    ) -> str:
+        """Write ``key`` only if absent (``If-None-Match: *``); return its ETag."""
+        extra: dict[str, Any] = {"Metadata": dict(metadata)} if metadata else {}
+        return self._put_object(key, data, IfNoneMatch="*", **extra)
+
+    def replace_if_match(
+        self, key: str, data: bytes, etag: str, metadata: Mapping[str, str] | None = None
+    ) -> str:
+        """Replace ``key`` only if its ETag is ``etag`` (``If-Match``); return the new ETag."""
+        extra: dict[str, Any] = {"Metadata": dict(metadata)} if metadata else {}
+        return self._put_object(key, data, IfMatch=etag, **extra)
+
+    def read_tagged(self, key: str) -> tuple[bytes, str]:
+        """Return the value of ``key`` and its ETag."""
+        data, resp = self._fetch(key, None)
+        return data, str(resp.get("ETag", ""))
+
+    def head(self, key: str) -> ObjectHead | None:
+        """Return ETag, metadata and server-side age of ``key``, or ``None`` if absent."""
+        resp = self._head(key)
+        if resp is None:
+            return None
+        metadata = resp.get("Metadata") or {}
+        return ObjectHead(str(resp.get("ETag", "")), dict(metadata), _server_age(resp))
+
+    def delete_if_match(self, key: str, etag: str | None) -> None:
+        """Delete ``key`` if its ETag is ``etag`` (``None``: unconditionally)."""
+        extra = {"IfMatch": etag} if etag is not None else {}
+        self._call("deleting", key, "delete_object", Key=self._full(key), **extra)
 
     def _head(self, key: str) -> dict[str, Any] | None:
         try:
@@ -538,24 +512,20 @@ class S3Backend(Backend):
                     f"first: {errors[0]}",
                 )
 
-    @property
-    def coordinated(self) -> bool:
-        """Whether builders are kept apart by enforced conditional writes.
-
-        False with ``coordination="single-writer"``: the store is trusted to
-        have one writer, and leftovers of other builds are not swept.
-        """
-        return self.options.coordination is Coordination.PROBE
-
     def _lock(self, name: str, timeout: float | None) -> contextlib.AbstractContextManager[None]:
-        from storage_backends.s3_lock import S3Lock
-        from storage_backends.s3_probe import check_conditional_writes
-
         # Locks guard builds (and copies, deletes): first make sure the store
         # enforces the conditional writes they rest on. Reads never get here.
         if self.options.coordination is Coordination.PROBE:
             check_conditional_writes(self)
-        return S3Lock(self, name, timeout)
+        return S3Lock(
+            self,
+            name,
+            timeout,
+            lease=self.options.lock_lease,
+            poll=self.options.lock_poll,
+            settle=self.options.lock_settle,
+            holders=self._held,
+        )
 
     def close(self) -> None:
         """Shut down the worker threads; the client is dropped."""

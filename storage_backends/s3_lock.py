@@ -20,11 +20,13 @@
   renewing: take it over with ``If-Match`` on that ETag, so that of several
   waiters exactly one wins.
 * Release: delete with ``If-Match`` on the holder's ETag.
+
+The lock sees the store only through ``ConditionalStore``; the backend that
+made it fences its writes with the ``holders`` map the lock enters itself in.
 """
 
 from __future__ import annotations
 
-import email.utils
 import errno
 import json
 import logging
@@ -34,9 +36,11 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import MutableMapping
 from types import TracebackType
 from typing import Any
 
+from storage_backends.conditional import ConditionalStore, ObjectHead
 from storage_backends.errors import (
     KeyExistsError,
     KeyNotFoundError,
@@ -44,7 +48,7 @@ from storage_backends.errors import (
     LockTimeoutError,
     StorageError,
 )
-from storage_backends.s3_backend import ConflictError, S3Backend, retried
+from storage_backends.s3_errors import ConflictError, retried
 
 __all__ = ["S3Lock"]
 
@@ -57,41 +61,50 @@ _VALID_SHARE = 2 / 3
 _RENEWALS_PER_LEASE = 4
 
 
-def _server_age(head: dict[str, Any]) -> float | None:
-    """Seconds since the object was last written, on the server's clock."""
+def _lease_of(head: ObjectHead, default: float) -> float:
     try:
-        date = head["ResponseMetadata"]["HTTPHeaders"]["date"]
-        now = email.utils.parsedate_to_datetime(date)
-        return float((now - head["LastModified"]).total_seconds())
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _lease_of(head: dict[str, Any], default: float) -> float:
-    try:
-        return float(head.get("Metadata", {}).get("lease", default))
+        return float(head.metadata.get("lease", default))
     except (TypeError, ValueError):
         return default
 
 
 class S3Lock:
-    """Exclusive lock ``name`` of an ``S3Backend``; use it as a context manager.
+    """Exclusive lock ``name`` in a ``ConditionalStore``; use it as a context manager.
 
     Args:
-        backend: the backend holding the lock object.
+        store: where the lock object lives.
         name: lock name (the object is ``<name>.lock``).
         timeout: seconds to wait; ``None`` waits forever.
+        lease: seconds the lock stays valid without renewal.
+        poll: longest pause between two looks at a held lock.
+        settle: seconds to wait before reading back a lock just written.
+        holders: the locks this process holds in ``store``, by name; the
+            lock is in it from entry to exit, so that the store can fence
+            writes under ``<name>/`` (``valid``, ``refusal``, ``renew``).
 
     Raises:
         LockTimeoutError: on entry, when ``timeout`` passed first.
     """
 
-    def __init__(self, backend: S3Backend, name: str, timeout: float | None) -> None:
-        self.backend = backend
+    def __init__(
+        self,
+        store: ConditionalStore,
+        name: str,
+        timeout: float | None,
+        *,
+        lease: float,
+        poll: float,
+        settle: float,
+        holders: MutableMapping[str, S3Lock],
+    ) -> None:
+        self.store = store
         self.name = name
         self.key = name + _SUFFIX
         self.timeout = timeout
-        self.lease = float(backend.options.lock_lease)
+        self.lease = float(lease)
+        self.poll = float(poll)
+        self.settle = float(settle)
+        self.holders = holders
         self.token = uuid.uuid4().hex
         self.etag = ""
         self.renewals = 0
@@ -115,16 +128,18 @@ class S3Lock:
             }
         ).encode()
 
-    def _write(self, **condition: str) -> str:
-        return self.backend._put_object(
-            self.key, self._body(), Metadata={"lease": repr(self.lease)}, **condition
-        )
+    def _write(self, etag: str | None) -> str:
+        """Create the lock object (``etag`` None) or replace the version ``etag``."""
+        metadata = {"lease": repr(self.lease)}
+        if etag is None:
+            return self.store.create_if_absent(self.key, self._body(), metadata)
+        return self.store.replace_if_match(self.key, self._body(), etag, metadata)
 
     def _owner(self) -> tuple[str | None, str, dict[str, Any]]:
         """Return (owner token, ETag, body) of the lock object, or (None, '', {})."""
         try:
             # Retries a body cut off mid-way and translates every failure.
-            raw, resp = self.backend._fetch(self.key, None)
+            raw, etag = self.store.read_tagged(self.key)
         except KeyNotFoundError:
             return None, "", {}
         try:
@@ -133,12 +148,12 @@ class S3Lock:
             body = {}
         if not isinstance(body, dict):
             body = {}
-        return body.get("owner"), str(resp.get("ETag", "")), body
+        return body.get("owner"), etag, body
 
     def _confirm(self, settle: bool = True) -> bool:
         """Read the lock back; adopt its ETag if it carries our token."""
-        if settle and self.backend.options.lock_settle:
-            time.sleep(self.backend.options.lock_settle)
+        if settle and self.settle:
+            time.sleep(self.settle)
         owner, etag, _ = self._owner()
         if owner == self.token:
             self.etag = etag
@@ -166,7 +181,7 @@ class S3Lock:
             )
         return LockLostError(
             errno.ESTALE,
-            f"refusing to write {key!r} in {self.backend.where}: this process lost the lock "
+            f"refusing to write {key!r} in {self.store.where}: this process lost the lock "
             f"{self.name!r}: {why}; build again to get a consistent result",
         )
 
@@ -184,10 +199,10 @@ class S3Lock:
             return self._extend() and self.valid()
 
     def _create(self) -> bool:
-        self.backend.client  # noqa: B018 - made first, so that it does not eat the lease
+        self.store.warm_up()  # first, so that making the connection does not eat the lease
         sent = time.monotonic()
         try:
-            self._write(IfNoneMatch="*")
+            self._write(None)
         except KeyExistsError as err:
             # A retried create may meet its own first try, which had landed.
             return retried(err) and self._confirm(settle=False) and self._acquired(sent, False)
@@ -199,19 +214,19 @@ class S3Lock:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         delay = 0.02
         seen: tuple[str, float] | None = None
-        head: dict[str, Any] | None = None
+        head: ObjectHead | None = None
         while True:
             if head is None and self._create():
                 break
             if head is None:
                 # Released in between, or a store whose listing lags its writes:
                 # back off like any other miss, within the deadline.
-                head = self.backend._head(self.key)
+                head = self.store.head(self.key)
             now = time.monotonic()
             if head is not None:
-                etag = str(head.get("ETag", ""))
+                etag = head.etag
                 lease = _lease_of(head, self.lease)
-                age = _server_age(head)
+                age = head.age
                 if seen is None or seen[0] != etag:
                     seen = (etag, now)
                 if now - seen[1] > lease or (age is not None and age > 2 * lease + 2):
@@ -221,16 +236,16 @@ class S3Lock:
             if deadline is not None and now >= deadline:
                 _, _, body = self._owner()
                 raise LockTimeoutError(
-                    f"lock {self.key!r} in {self.backend.where} still held after "
+                    f"lock {self.key!r} in {self.store.where} still held after "
                     f"{self.timeout}s (holder: host {body.get('host')!r}, pid {body.get('pid')!r})"
                 )
             pause = delay * (0.5 + random.random())
             if deadline is not None:
                 pause = min(pause, max(deadline - now, 0.0))
             time.sleep(pause)
-            delay = min(delay * 2, self.backend.options.lock_poll, self.lease / 4)
-            head = self.backend._head(self.key)
-        self.backend._held[self.name] = self
+            delay = min(delay * 2, self.poll, self.lease / 4)
+            head = self.store.head(self.key)
+        self.holders[self.name] = self
         self._thread = threading.Thread(
             target=self._renew, name=f"yoga-lease-{self.name}", daemon=True
         )
@@ -239,7 +254,7 @@ class S3Lock:
     def _take_over(self, etag: str, lease: float) -> bool:
         sent = time.monotonic()
         try:
-            self._write(IfMatch=etag)
+            self._write(etag)
         except KeyExistsError as err:
             # A retried takeover may meet its own first try, which had landed.
             if not (retried(err) and self._confirm() and self._acquired(sent, False)):
@@ -252,7 +267,7 @@ class S3Lock:
         logger.warning(
             "took over the lock %s in %s: its holder stopped renewing its %.1fs lease",
             self.key,
-            self.backend.where,
+            self.store.where,
             lease,
         )
         return True
@@ -300,7 +315,7 @@ class S3Lock:
             self.renewals += 1
             sent = time.monotonic()
             try:
-                self.etag = self._write(IfMatch=self.etag)
+                self.etag = self._write(self.etag)
             except (KeyExistsError, KeyNotFoundError):
                 # Still ours if a retried earlier write of ours landed: renew again
                 # on its ETag, as its send time is unknown.
@@ -310,7 +325,7 @@ class S3Lock:
                 logger.error(
                     "lost the lock %s in %s: another process took it over",
                     self.key,
-                    self.backend.where,
+                    self.store.where,
                 )
                 return False
             # Do not trust the conditional write alone: read the lock back.
@@ -319,7 +334,7 @@ class S3Lock:
                 logger.error(
                     "lost the lock %s in %s: it names another owner after renewal",
                     self.key,
-                    self.backend.where,
+                    self.store.where,
                 )
                 return False
             self._granted(sent)
@@ -339,19 +354,13 @@ class S3Lock:
             # A renewal stuck in a request must not hold up the release: the
             # conditional delete below is safe against its late landing.
             self._thread.join(timeout=self.lease / _RENEWALS_PER_LEASE)
-        if self.backend._held.get(self.name) is self:
-            del self.backend._held[self.name]
+        if self.holders.get(self.name) is self:
+            del self.holders[self.name]
         if self.lost:
             return
         for _ in range(3):
             try:
-                self.backend._call(
-                    "releasing lock",
-                    self.key,
-                    "delete_object",
-                    Key=self.backend._full(self.key),
-                    IfMatch=self.etag,
-                )
+                self.store.delete_if_match(self.key, self.etag)
                 return
             except KeyNotFoundError:
                 return

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 
 from storage_backends.errors import InvalidArgumentError
 
@@ -38,7 +37,9 @@ class S3Options:
         endpoint_url: S3 API endpoint; ``None`` uses ``$YOGASTORE_S3_ENDPOINT_URL``
             or AWS.
         region: region name; ``None`` uses the boto3 default chain.
-        max_parallel: ranged reads in flight per reader.
+        max_parallel: requests in flight from this backend's own pool (parts,
+            ``get_ranges``); also ``Backend.max_parallel``, the ranged reads a
+            reader keeps in flight unless ``yogastore.ReadOptions`` says.
         upload_workers: chunk uploads in flight while building.
         max_attempts: attempts per request, including the first (botocore
             standard retry mode: throttling and 5xx are retried with backoff).
@@ -54,9 +55,6 @@ class S3Options:
         lock_poll: longest pause between two looks at a held lock.
         lock_settle: seconds to wait before reading back a lock just written,
             which also guards against stores whose conditional writes race.
-        cache_dir: directory of the local read-through cache used by
-            ``yogastore`` readers; ``None`` uses yogastore's default root.
-        cache_bytes: size limit of that cache (0 disables it).
         coordination: ``Coordination`` (or its value): probe the store's
             conditional writes before building (default), or trust a single
             writer.
@@ -75,8 +73,6 @@ class S3Options:
     lock_lease: float = 30.0
     lock_poll: float = 1.0
     lock_settle: float = 0.1
-    cache_dir: str | os.PathLike[str] | None = None
-    cache_bytes: int = 8 << 30
     coordination: Coordination | str = Coordination.PROBE
 
     def __post_init__(self) -> None:
@@ -114,14 +110,6 @@ class S3Options:
             raise InvalidArgumentError(
                 f"S3 option multipart_threshold must be an integer >= {MIN_PART}, "
                 f"got {self.multipart_threshold!r}"
-            )
-        if (
-            isinstance(self.cache_bytes, bool)
-            or not isinstance(self.cache_bytes, int)
-            or (self.cache_bytes < 0)
-        ):
-            raise InvalidArgumentError(
-                f"S3 option cache_bytes must be an integer >= 0, got {self.cache_bytes!r}"
             )
         if self.addressing_style not in (None, "path", "virtual", "auto"):
             raise InvalidArgumentError(

@@ -9,7 +9,8 @@ build, and one may commit a manifest naming chunks another swept away.
 The probe writes a fresh key under the store's prefix with ``If-None-Match:
 *`` twice (the second must fail with 412) and once with a made-up ``If-Match``
 (must fail with 412), then deletes it. The verdict is kept for the process's
-life per (endpoint, bucket). Reading never needs it.
+life per (endpoint, bucket). Reading never needs it. The probe sees the
+store only through ``ConditionalStore``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ import errno
 import logging
 import threading
 import uuid
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from storage_backends.conditional import ConditionalStore
 from storage_backends.errors import CoordinationError, KeyExistsError, StorageError
-
-if TYPE_CHECKING:
-    from storage_backends.s3_backend import S3Backend
 
 __all__ = ["check_conditional_writes", "conditional_writes_verdict", "probe_conditional_writes"]
 
@@ -35,29 +34,43 @@ _VERDICTS: dict[tuple[str, str], str | None] = {}
 _LOCK = threading.Lock()
 
 
-def probe_conditional_writes(backend: S3Backend) -> str | None:
+class ProbedStore(ConditionalStore, Protocol):
+    """A ``ConditionalStore`` that says which endpoint and bucket it is."""
+
+    @property
+    def endpoint_url(self) -> str | None:
+        """The S3 API endpoint; ``None`` for AWS."""
+        ...
+
+    @property
+    def bucket(self) -> str:
+        """The bucket."""
+        ...
+
+
+def probe_conditional_writes(backend: ConditionalStore) -> str | None:
     """Run the probe now; return ``None`` if both conditions are enforced, else what failed."""
     key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     failures = []
     try:
-        backend._put_object(key, b"first", IfNoneMatch="*")
+        backend.create_if_absent(key, b"first")
         try:
-            backend._put_object(key, b"second", IfNoneMatch="*")
+            backend.create_if_absent(key, b"second")
             failures.append("a second PUT with If-None-Match: * replaced the object")
         except KeyExistsError:
             pass
         try:
-            backend._put_object(key, b"third", IfMatch='"0123456789abcdef0123456789abcdef"')
+            backend.replace_if_match(key, b"third", '"0123456789abcdef0123456789abcdef"')
             failures.append("a PUT with a made-up If-Match replaced the object")
         except KeyExistsError:
             pass
     finally:
         with contextlib.suppress(StorageError):
-            backend._call("deleting probe", key, "delete_object", Key=backend._full(key))
+            backend.delete_if_match(key, None)
     return "; ".join(failures) or None
 
 
-def conditional_writes_verdict(backend: S3Backend) -> str | None:
+def conditional_writes_verdict(backend: ProbedStore) -> str | None:
     """Probe once per endpoint and bucket; return ``None`` if enforced, else what failed.
 
     Raises:
@@ -76,7 +89,7 @@ def conditional_writes_verdict(backend: S3Backend) -> str | None:
     return verdict
 
 
-def check_conditional_writes(backend: S3Backend) -> None:
+def check_conditional_writes(backend: ProbedStore) -> None:
     """Probe once per endpoint and bucket; raise if conditional writes are not enforced.
 
     Raises:

@@ -67,7 +67,7 @@ def stall_renewals(monkeypatch: pytest.MonkeyPatch, backend: Any) -> threading.E
     original = S3Lock._renew_once
 
     def renew(self: S3Lock) -> bool:
-        if self.backend is backend:
+        if self.store is backend:
             resume.wait(30)
             return False
         return original(self)

@@ -22,7 +22,8 @@ from tests.backends.s3_support import (
     records,
 )
 from yogastore.diskcache import _META, DiskCache, _digest
-from yogastore.remote import RemoteChunkSource, RemoteOptions
+from yogastore.read_options import ReadOptions
+from yogastore.remote import RemoteChunkSource
 
 pytestmark = pytest.mark.s3
 
@@ -101,7 +102,7 @@ def test_persistent_corruption_raises(endpoint: str, tmp_path: Path, ranged: boo
     with FaultProxy(endpoint, {"flip": 1.0}) as proxy:
         store = _store(proxy, None, max_attempts=2)
         ref = store.open("ds", "1")
-        options = RemoteOptions(cache_bytes=0, whole_fraction=1.0 if ranged else 0.01)
+        options = ReadOptions(cache_bytes=0, whole_fraction=1.0 if ranged else 0.01)
         source = RemoteChunkSource(ref.store.backend, ref.manifest, options)
         with pytest.raises(CorruptCacheError, match="checksum") as info:
             source.gather(np.array([5, 6], dtype=np.int64))
@@ -113,7 +114,7 @@ def test_persistent_corruption_raises(endpoint: str, tmp_path: Path, ranged: boo
 def test_short_responses_are_reported_as_short(endpoint: str, tmp_path: Path) -> None:
     with FaultProxy(endpoint, {"short": 1.0}) as proxy:
         ref = _store(proxy, None).open("ds", "1")
-        source = RemoteChunkSource(ref.store.backend, ref.manifest, RemoteOptions(cache_bytes=0))
+        source = RemoteChunkSource(ref.store.backend, ref.manifest, ReadOptions(cache_bytes=0))
         with pytest.raises(CorruptCacheError, match="short"):
             source.gather(np.array([5], dtype=np.int64))
         source.close()

@@ -30,7 +30,8 @@ from tests.backends.s3_support import (
     records,
 )
 from yogastore.diskcache import _ENTRY, _META, DiskCache, _digest
-from yogastore.remote import RemoteChunkSource, RemoteOptions, coalesce
+from yogastore.read_options import ReadOptions
+from yogastore.remote import RemoteChunkSource, coalesce
 
 pytestmark = pytest.mark.s3
 
@@ -228,7 +229,7 @@ def test_damaged_chunk_is_detected(bucket: str, tmp_path: Path, where: str) -> N
     with pytest.raises(CorruptCacheError, match="checksum"):
         read_all(whole)
     if where == "index":  # ranged reads verify the index checksum
-        source = RemoteChunkSource(ref.store.backend, ref.manifest)
+        source = RemoteChunkSource(ref.store.backend, ref.manifest, ref.store.read_options)
         with pytest.raises(CorruptCacheError, match="index checksum"):
             source.gather(np.array([info.first], dtype=np.int64))
 
@@ -377,7 +378,7 @@ def test_coalesce(gap: int, overfetch: float, expected: list[tuple[int, int]]) -
 )
 def test_remote_options_are_checked(options: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgumentError):
-        RemoteOptions(**options)
+        ReadOptions(**options)
 
 
 def test_copy_waiting_for_another_copier_keeps_its_result(bucket: str, tmp_path: Path) -> None:

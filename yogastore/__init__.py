@@ -34,6 +34,7 @@ from yogastore.queue_jobs import (
     list_queue_jobs,
     open_queue_runs,
 )
+from yogastore.read_options import ReadOptions
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
 from yogastore.store import DatasetInfo, DatasetRef, GcEntry, Store
 from yogastore.stream import Stream, StreamState
@@ -65,6 +66,7 @@ __all__ = [
     "QueueStream",
     "RaggedValue",
     "RankMismatchError",
+    "ReadOptions",
     "Shuffle",
     "SparseValue",
     "StaleCacheError",

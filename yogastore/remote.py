@@ -29,9 +29,9 @@ batches on background threads (read-ahead on top of the stream's own prefetch).
 
 Every byte range fetched goes through a local read-through cache
 (``yogastore.diskcache``): one LMDB file, ``remote-cache.mdb`` under the
-store's ``cache_dir`` or yogastore's default root, shared safely by the
-processes of one machine, bounded by ``cache_bytes`` with least-recently-used
-eviction. Each cached range carries an xxh3 digest checked on every hit, and
+store's ``ReadOptions.cache_dir`` or yogastore's default root, shared safely
+by the processes of one machine, bounded by ``cache_bytes`` with
+least-recently-used eviction. Each cached range carries an xxh3 digest checked on every hit, and
 what it serves is checked again against the build's checksums as above; a bad
 entry is dropped and fetched again.
 
@@ -52,7 +52,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -60,7 +59,6 @@ import struct
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import lmdb
@@ -76,6 +74,7 @@ from yogastore.blocks import BlockSums
 from yogastore.diskcache import DiskCache
 from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
 from yogastore.manifest import Manifest, checksum
+from yogastore.read_options import ReadOptions
 from yogastore.reader import ReadStats, locate, missing_chunk_error
 from yogastore.remote_plan import (
     ChunkState,
@@ -89,77 +88,11 @@ from yogastore.remote_plan import (
     record_jobs,
 )
 
-__all__ = ["RemoteChunkSource", "RemoteOptions", "coalesce"]
+__all__ = ["RemoteChunkSource", "coalesce"]
 
 logger = logging.getLogger(__name__)
 
-_MIB = 1 << 20
-_DEFAULT_CACHE_BYTES = 8 << 30
-_DEFAULT_PARALLEL = 16
 _ATTEMPTS = 4  # fetches of one range before a mismatch or short read is reported
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RemoteOptions:
-    """How a ``RemoteChunkSource`` reads.
-
-    Args:
-        cache_dir: directory of the disk cache (``None``: no disk cache).
-        cache_bytes: disk cache size limit; 0 disables it.
-        max_parallel: ranged reads in flight.
-        whole_fraction: fetch a chunk whole once this fraction of its records
-            is needed within the look-ahead horizon.
-        coalesce_gap: merge byte ranges separated by at most this many bytes.
-        overfetch: also merge ranges while the bytes skipped between them stay
-            within this fraction of the bytes needed (fewer requests).
-        horizon_chunks: look-ahead horizon, in chunks' worth of records.
-        readahead_batches: upcoming batches prepared in the background.
-        memory_bytes: chunk bytes kept in memory between batches.
-        max_request_bytes: split larger ranges into parallel requests.
-    """
-
-    cache_dir: Path | None = None
-    cache_bytes: int = _DEFAULT_CACHE_BYTES
-    max_parallel: int = _DEFAULT_PARALLEL
-    whole_fraction: float = 0.9
-    coalesce_gap: int = 256
-    overfetch: float = 0.05
-    horizon_chunks: int = 8
-    readahead_batches: int = 4
-    memory_bytes: int = 256 * _MIB
-    max_request_bytes: int = 16 * _MIB
-
-    def __post_init__(self) -> None:
-        for name in ("cache_bytes", "coalesce_gap", "readahead_batches", "memory_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("max_parallel", "horizon_chunks", "max_request_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("overfetch", "whole_fraction"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
-        if not 0.0 <= self.overfetch <= 1.0:
-            raise InvalidArgumentError(f"overfetch must be in [0, 1], got {self.overfetch!r}")
-        if not 0.0 < self.whole_fraction <= 1.0:
-            raise InvalidArgumentError(
-                f"whole_fraction must be in (0, 1], got {self.whole_fraction!r}"
-            )
-
-    @classmethod
-    def for_backend(cls, backend: Backend) -> RemoteOptions:
-        """Read the reader settings a remote backend carries (``cache_dir`` etc.)."""
-        from yogastore.store import default_root
-
-        cache_dir = getattr(backend, "cache_dir", None)
-        return cls(
-            cache_dir=Path(cache_dir).expanduser() if cache_dir is not None else default_root(),
-            cache_bytes=int(getattr(backend, "cache_bytes", _DEFAULT_CACHE_BYTES)),
-            max_parallel=int(getattr(backend, "max_parallel", _DEFAULT_PARALLEL)),
-        )
 
 
 # Sources of this process, reset in a fork child before any other code runs there.
@@ -180,15 +113,17 @@ class RemoteChunkSource:
     Args:
         backend: a backend with ``remote = True``.
         manifest: the dataset version to read.
-        options: reader settings (default: from the backend's attributes).
+        options: reader settings (default: ``ReadOptions()``).
     """
 
     def __init__(
-        self, backend: Backend, manifest: Manifest, options: RemoteOptions | None = None
+        self, backend: Backend, manifest: Manifest, options: ReadOptions | None = None
     ) -> None:
         self.backend = backend
         self.manifest = manifest
-        self.options = options or RemoteOptions.for_backend(backend)
+        self.options = ReadOptions.of(options)
+        self._cache_dir = self.options.cache_path()
+        self._max_parallel = self.options.parallel_for(backend)
         self.stats = ReadStats()
         self.refetches = 0  # ranges fetched again after failing a check
         self._columns = manifest.columns()
@@ -213,14 +148,14 @@ class RemoteChunkSource:
         _LIVE.add(self)
 
     def _open_cache(self) -> DiskCache | None:
-        if self.options.cache_dir is None or self.options.cache_bytes <= 0:
+        if self.options.cache_bytes <= 0:
             return None
         try:
-            return DiskCache(self.options.cache_dir, self.options.cache_bytes)
+            return DiskCache(self._cache_dir, self.options.cache_bytes)
         except (lmdb.Error, OSError) as err:
             logger.warning(
                 "read cache under %s unavailable, reading from %s only: %s",
-                self.options.cache_dir,
+                self._cache_dir,
                 self.backend.url,
                 err,
             )
@@ -374,7 +309,7 @@ class RemoteChunkSource:
         with self._lock:
             if self._fetch_pool is None:
                 self._fetch_pool = concurrent.futures.ThreadPoolExecutor(
-                    self.options.max_parallel, thread_name_prefix="yoga-get"
+                    self._max_parallel, thread_name_prefix="yoga-get"
                 )
             return self._fetch_pool
 

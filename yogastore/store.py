@@ -8,7 +8,6 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from storage_backends import Backend, open_backend
@@ -35,7 +34,9 @@ from yogastore.buildcheck import (
 )
 from yogastore.manifest import Manifest, validate_name
 from yogastore.order import Shuffle
+from yogastore.paths import default_root
 from yogastore.progress import Progress, default_progress
+from yogastore.read_options import ReadOptions
 from yogastore.reader import ChunkSource, LocalChunkSource
 from yogastore.spec import ComponentSpec, Schema
 from yogastore.stream import Stream, StreamState
@@ -51,12 +52,8 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_BLOCK_WINDOW = 4
-
-
-def default_root() -> Path:
-    """Return ``$YOGASTORE_HOME``, else ``~/.cache/yogastore``."""
-    home = os.environ.get("YOGASTORE_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "yogastore"
+#: ``Store`` keywords that set a field of its ``ReadOptions`` (not backend options).
+_READ_KEYWORDS = ("cache_dir", "cache_bytes")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,6 +304,9 @@ class Store:
         chunk_bytes: target chunk size when building.
         lock_timeout: seconds to wait for another process building the same
             dataset (``None``: wait as long as it takes).
+        read_options: how readers fetch from an object store (a ``ReadOptions``
+            or a mapping of its fields); ``cache_dir=`` and ``cache_bytes=``
+            given as keywords set those fields too.
         **backend_options: passed to the backend (e.g. ``endpoint_url`` for S3).
             On S3, ``coordination="single-writer"`` builds on a store that
             ignores conditional writes (by default such a store is refused
@@ -319,12 +319,17 @@ class Store:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         lock_timeout: float | None = None,
+        read_options: ReadOptions | Mapping[str, Any] | None = None,
         **backend_options: Any,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise InvalidArgumentError(
                 f"chunk_bytes must be a positive integer, got {chunk_bytes!r}"
             )
+        self.read_options = ReadOptions.of(read_options)
+        shorthand = {k: backend_options.pop(k) for k in _READ_KEYWORDS if k in backend_options}
+        if shorthand:
+            self.read_options = dataclasses.replace(self.read_options, **shorthand)
         self.url = os.fspath(url) if url is not None else str(default_root())
         self.backend: Backend = open_backend(self.url, **backend_options)
         self.chunk_bytes = chunk_bytes
@@ -336,18 +341,14 @@ class Store:
     @property
     def remote(self) -> bool:
         """Whether the backend is an object store (reads cost requests)."""
-        return bool(getattr(self.backend, "remote", False))
+        return self.backend.remote
 
     def make_source(self, manifest: Manifest) -> ChunkSource:
         """Return a chunk source suited to this store's backend."""
         if self.remote:
             from yogastore.remote import RemoteChunkSource
 
-            return RemoteChunkSource(self.backend, manifest)
-        factory = getattr(self.backend, "chunk_source", None)
-        if factory is not None:
-            source: ChunkSource = factory(manifest)
-            return source
+            return RemoteChunkSource(self.backend, manifest, self.read_options)
         return LocalChunkSource(self.backend, manifest)
 
     def _read_manifest(self, dataset_id: str, version: str) -> Manifest | None:
@@ -463,7 +464,7 @@ class Store:
                     items,
                     chunk_bytes=chunk_bytes or self.chunk_bytes,
                     progress=progress or default_progress(f"caching {dataset_id}/{version}", total),
-                    upload_workers=int(getattr(self.backend, "upload_workers", 1)),
+                    upload_workers=self.backend.upload_workers,
                     build_id=build_id,
                     source_fingerprint=options.fingerprint,
                     replace=replaces is not None,
@@ -531,7 +532,7 @@ class Store:
         another builder may still be writing after a lease it lost: only this
         build's chunks are deleted (above); ``gc`` removes the rest.
         """
-        if getattr(self.backend, "remote", False):
+        if self.backend.remote:
             return
         name = f"{dataset_id}/{version}"
         try:
@@ -559,7 +560,7 @@ class Store:
         They are leftovers of builds that died or lost the lock; readers never
         see them. Best effort: the dataset is committed either way.
         """
-        if not getattr(self.backend, "coordinated", True):
+        if not self.backend.coordinated:
             # Without enforced conditional writes another builder may still be
             # writing what looks like a leftover: never delete it here.
             return

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from storage_backends.contract import BackendContract
 from storage_backends.lmdb_backend import LmdbBackend
-from tests.backends.contract import BackendContract
 
 
 class TestLmdbBackend(BackendContract):

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from botocore.awsrequest import AWSResponse
 
+from storage_backends.base import Backend
+from storage_backends.contract import DATA, BackendContract
 from storage_backends.errors import (
     InvalidArgumentError,
     KeyExistsError,
@@ -24,7 +26,6 @@ from storage_backends.errors import (
 )
 from storage_backends.s3_backend import ENDPOINT_ENV, S3Backend
 from storage_backends.s3_lock import S3Lock
-from tests.backends.contract import DATA, BackendContract
 from tests.backends.s3_support import REGION
 
 pytestmark = pytest.mark.s3
@@ -36,6 +37,14 @@ class TestS3Backend(BackendContract):
         backend = S3Backend(f"s3://{mock_bucket}/some/prefix", lock_lease=2.0, lock_settle=0.01)
         yield backend
         backend.close()
+
+    def reopen(self, backend: Backend) -> S3Backend:
+        return S3Backend(backend.url, lock_lease=2.0, lock_settle=0.01)
+
+    def lose_lock(self, backend: Backend, name: str) -> None:
+        # Another process takes the lock over: its lock object names another owner.
+        body = json.dumps({"owner": "someone-else", "lease": 30.0}).encode()
+        backend.put(name + ".lock", body)
 
 
 @pytest.mark.parametrize(

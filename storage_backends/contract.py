@@ -1,11 +1,25 @@
-"""The contract every storage backend passes.
+"""The contract every storage backend passes, as a pytest suite to subclass.
 
-Subclass ``BackendContract`` in a test module and provide a ``backend``
-fixture returning a fresh, empty backend::
+A backend written outside this project runs it from its own tests (this module
+imports pytest; importing ``storage_backends`` does not import it). Subclass
+``BackendContract`` and provide a ``backend`` fixture returning a fresh, empty
+backend::
+
+    import pytest
+    from storage_backends.contract import BackendContract
 
     class TestMyBackend(BackendContract):
         @pytest.fixture
-        def backend(self, tmp_path): ...
+        def backend(self, tmp_path):
+            backend = MyBackend(f"my://{tmp_path}")
+            yield backend
+            backend.close()
+
+Two hooks are optional: ``reopen`` (another backend object on the same store;
+the default constructs ``type(backend)(backend.url)``) and ``lose_lock`` (make
+a held lock lost, as a takeover by another process would; the default skips
+the fencing tests, right for a backend whose locks cannot be lost, like a
+kernel file lock).
 """
 
 from __future__ import annotations
@@ -15,19 +29,41 @@ import time
 
 import pytest
 
-from storage_backends import Backend
+from storage_backends.base import Backend
 from storage_backends.errors import (
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
+    LockLostError,
     LockTimeoutError,
+    StorageError,
 )
 
+__all__ = ["DATA", "BackendContract"]
+
+#: A value the tests store; ten distinct bytes.
 DATA = b"0123456789"
 
 
 class BackendContract:
     """Tests of the rules stated on ``storage_backends.base.Backend``."""
+
+    def reopen(self, backend: Backend) -> Backend:
+        """Return another backend object on the store of ``backend`` (closed by the test)."""
+        return type(backend)(backend.url)
+
+    def lose_lock(self, backend: Backend, name: str) -> None:
+        """Make the held lock ``name`` lost, as when another process took it over."""
+        pytest.skip(f"{type(backend).__name__} locks cannot be lost while held")
+
+    def test_capabilities_declared(self, backend: Backend) -> None:
+        cls = type(backend)
+        assert cls.schemes and all(isinstance(s, str) for s in cls.schemes)
+        assert isinstance(backend.remote, bool)
+        assert isinstance(backend.coordinated, bool)
+        for name in ("upload_workers", "max_parallel"):
+            value = getattr(backend, name)
+            assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, name
 
     def test_put_get_roundtrip(self, backend: Backend) -> None:
         backend.put("a/b/value", DATA)
@@ -211,3 +247,31 @@ class BackendContract:
     def test_locks_are_independent(self, backend: Backend) -> None:
         with backend.lock("locks/one", timeout=5), backend.lock("locks/two", timeout=5):
             pass
+
+    def test_lock_excludes_another_backend_object(self, backend: Backend) -> None:
+        other = self.reopen(backend)
+        try:
+            with backend.lock("locks/shared", timeout=10):
+                with pytest.raises(LockTimeoutError), other.lock("locks/shared", timeout=0.2):
+                    pass
+                backend.put("locks/shared/k", b"held")
+            with other.lock("locks/shared", timeout=10):
+                assert bytes(other.get("locks/shared/k")) == b"held"
+        finally:
+            other.close()
+
+    def test_lost_lock_fences_writes(self, backend: Backend) -> None:
+        with backend.lock("ds/1", timeout=10):
+            backend.put("ds/1/c-a-000000", b"chunk")
+            self.lose_lock(backend, "ds/1")
+            with pytest.raises(LockLostError) as info:
+                backend.put_exclusive("ds/1/manifest.json", b"manifest")
+            assert isinstance(info.value, StorageError)
+            with pytest.raises(LockLostError):
+                backend.put("ds/1/c-a-000001", b"chunk")
+            with pytest.raises(LockLostError):
+                backend.delete_prefix("ds/1/")
+            backend.put("elsewhere", b"fine")  # only the locked prefix is fenced
+        assert not backend.exists("ds/1/manifest.json")
+        assert not backend.exists("ds/1/c-a-000001")
+        assert backend.exists("ds/1/c-a-000000")
