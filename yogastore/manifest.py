@@ -17,6 +17,7 @@ import xxhash
 
 from storage_backends.errors import CorruptCacheError, InvalidArgumentError
 from yogastore import boundedjson
+from yogastore.checks import check_int
 from yogastore.format import ColumnSpec, columns_for
 from yogastore.spec import Schema
 
@@ -78,12 +79,7 @@ class ChunkInfo:
 
 
 def _int(obj: dict[str, Any], name: str, where: str, low: int = 0) -> int:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise CorruptCacheError(
-            f"{where}: field {name!r} must be an integer >= {low}, got {value!r}"
-        )
-    return value
+    return check_int(f"{where}: field {name!r}", obj.get(name), low, error=CorruptCacheError)
 
 
 def _str(obj: dict[str, Any], name: str, where: str) -> str:

@@ -33,6 +33,7 @@ from yogastore.buildcheck import (
     delete_build,
     guarded_items,
 )
+from yogastore.checks import check_int
 from yogastore.manifest import Manifest, validate_name
 from yogastore.order import Shuffle
 from yogastore.progress import Progress, default_progress
@@ -321,10 +322,7 @@ class Store:
         lock_timeout: float | None = None,
         **backend_options: Any,
     ) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise InvalidArgumentError(
-                f"chunk_bytes must be a positive integer, got {chunk_bytes!r}"
-            )
+        chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         self.url = os.fspath(url) if url is not None else str(default_root())
         self.backend: Backend = open_backend(self.url, **backend_options)
         self.chunk_bytes = chunk_bytes
