@@ -21,11 +21,22 @@ from yogastore.checks import check_int
 from yogastore.format import ColumnSpec, columns_for
 from yogastore.spec import Schema
 
-__all__ = ["FORMAT_VERSION", "MAX_NAME_BYTES", "ChunkInfo", "Manifest", "checksum", "validate_name"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MAX_NAME_BYTES",
+    "ChunkInfo",
+    "Manifest",
+    "checksum",
+    "manifest_key",
+    "validate_name",
+]
 
 #: 2: chunk indexes carry block checksums of the data (``yogastore.blocks``).
 #: Older versions are refused with a message saying to build again.
 FORMAT_VERSION = 2
+#: Name of a version's manifest, under ``<dataset id>/<version>/``: its key commits the version.
+MANIFEST = "manifest.json"
 #: Longest dataset id or version, in UTF-8 bytes.
 MAX_NAME_BYTES = 200
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
@@ -34,6 +45,11 @@ _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 def checksum(data: bytes | memoryview) -> str:
     """Return the checksum string recorded for ``data``."""
     return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def manifest_key(dataset_id: str, version: str) -> str:
+    """Return the key of a version's manifest."""
+    return f"{dataset_id}/{version}/{MANIFEST}"
 
 
 def validate_name(value: Any, what: str) -> str:
@@ -111,6 +127,15 @@ class Manifest:
     @property
     def where(self) -> str:
         return f"dataset {self.dataset_id!r} version {self.version!r}"
+
+    @property
+    def key(self) -> str:
+        """The key of this manifest."""
+        return manifest_key(self.dataset_id, self.version)
+
+    def keys(self) -> frozenset[str]:
+        """Return the keys this manifest commits: its own and its chunks'."""
+        return frozenset((self.key, *(c.key for c in self.chunks)))
 
     def columns(self) -> list[ColumnSpec]:
         """Return the flat column list of the schema."""

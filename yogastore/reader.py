@@ -99,7 +99,7 @@ def missing_chunk_error(backend: Backend, manifest: Manifest, where: str) -> Yog
     """
     try:
         prefix = f"{manifest.dataset_id}/{manifest.version}/"
-        current = Manifest.from_json(backend.get(prefix + "manifest.json"), where, prefix)
+        current = Manifest.from_json(backend.get(manifest.key), where, prefix)
     except KeyNotFoundError:
         return DatasetChangedError(
             f"{where}: this version was deleted from {backend.url} after it was opened; "
@@ -161,7 +161,7 @@ class LocalChunkSource:
         self._loaded = np.zeros(num_chunks, dtype=bool)
         self._all_loaded = num_chunks == 0
         # Any key of the version names the file its views map.
-        self._mapped_key = f"{manifest.dataset_id}/{manifest.version}/manifest.json"
+        self._mapped_key = manifest.key
 
     def view(self, chunk: int) -> ChunkView:
         """Return the validated view of one chunk."""

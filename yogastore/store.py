@@ -34,7 +34,7 @@ from yogastore.buildcheck import (
     guarded_items,
 )
 from yogastore.checks import check_int
-from yogastore.manifest import Manifest, validate_name
+from yogastore.manifest import Manifest, manifest_key, validate_name
 from yogastore.order import Shuffle
 from yogastore.progress import Progress, default_progress
 from yogastore.reader import ChunkSource, LocalChunkSource
@@ -49,7 +49,6 @@ __all__ = ["DatasetInfo", "DatasetRef", "GcEntry", "Store", "default_root"]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_BLOCK_WINDOW = 4
 
@@ -349,10 +348,9 @@ class Store:
         return LocalChunkSource(self.backend, manifest)
 
     def _read_manifest(self, dataset_id: str, version: str) -> Manifest | None:
-        key = f"{dataset_id}/{version}/{MANIFEST}"
         where = f"dataset {dataset_id!r} version {version!r} in {self.url}"
         try:
-            data = self.backend.get(key)
+            data = self.backend.get(manifest_key(dataset_id, version))
         except KeyNotFoundError:
             return None
         manifest = Manifest.from_json(data, where, f"{dataset_id}/{version}/")
@@ -562,7 +560,7 @@ class Store:
             # writing what looks like a leftover: never delete it here.
             return
         prefix = f"{manifest.dataset_id}/{manifest.version}/"
-        keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
+        keep = manifest.keys()
         try:
             stale = [key for key in self.backend.list(prefix) if key not in keep]
             for key in stale:
@@ -684,8 +682,9 @@ class Store:
             keys = self.backend.list(prefix)
             housekeeping.check_own(keys, prefix, self.url)
             present = bool(keys) or self.backend.disk_usage(prefix) > 0
-            if prefix + MANIFEST in keys:
-                self.backend.delete(prefix + MANIFEST)
+            committed = manifest_key(dataset_id, version)
+            if committed in keys:
+                self.backend.delete(committed)
             self.backend.delete_prefix(prefix)
             self.backend.delete_lock(name)
         queues = queue_prefix(dataset_id, version)
@@ -717,10 +716,11 @@ class Store:
         from yogastore.manifest import checksum
 
         ref = self.open(dataset_id, version)
-        if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
+        key = ref.manifest.key
+        if to.backend.exists(key):
             return to.open(dataset_id, version)
         with to.backend.lock(f"{dataset_id}/{version}", timeout=to.lock_timeout):
-            if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
+            if to.backend.exists(key):
                 return to.open(dataset_id, version)  # another copier finished first
             # Leftovers of a copy or build that died are swept after the commit.
             try:
@@ -732,9 +732,7 @@ class Store:
                             "while copying"
                         )
                     to.backend.put(info.key, data)
-                to.backend.put_exclusive(
-                    f"{dataset_id}/{version}/{MANIFEST}", ref.manifest.to_json()
-                )
+                to.backend.put_exclusive(key, ref.manifest.to_json())
             except (KeyExistsError, LockLostError) as err:
                 winner = to._winner(dataset_id, version)
                 if winner is None:
