@@ -37,7 +37,7 @@ from yogastore.checks import check_int
 from yogastore.manifest import Manifest, manifest_key, validate_name
 from yogastore.order import Shuffle
 from yogastore.progress import Progress, default_progress
-from yogastore.reader import ChunkSource, LocalChunkSource
+from yogastore.reader import ChunkSource, LocalChunkSource, verify_chunk
 from yogastore.spec import ComponentSpec, Schema
 from yogastore.stream import Stream, StreamState
 from yogastore.writer import new_build_id, records_from_iterable, write_dataset
@@ -713,8 +713,6 @@ class Store:
 
     def copy(self, dataset_id: str, version: str = "1", *, to: Store) -> DatasetRef:
         """Copy a dataset version to another store, verifying every chunk's checksum."""
-        from yogastore.manifest import checksum
-
         ref = self.open(dataset_id, version)
         key = ref.manifest.key
         if to.backend.exists(key):
@@ -726,11 +724,10 @@ class Store:
             try:
                 for i, info in enumerate(ref.manifest.chunks):
                     data = bytes(self.backend.get(info.key))
-                    if checksum(data) != info.checksum:
-                        raise CorruptCacheError(
-                            f"{ref.manifest.where} chunk {i} ({info.key}): checksum mismatch "
-                            "while copying"
-                        )
+                    try:
+                        verify_chunk(self.backend.url, ref.manifest, i, data, memo=False)
+                    except CorruptCacheError as err:
+                        raise CorruptCacheError(f"copying from {self.url}: {err}") from err
                     to.backend.put(info.key, data)
                 to.backend.put_exclusive(key, ref.manifest.to_json())
             except (KeyExistsError, LockLostError) as err:
