@@ -450,8 +450,9 @@ class Store:
             schema, items, element_spec = self._prepare(source, spec)
             items = guarded_items(items, f"{dataset_id}/{version}", options)
             build_id = new_build_id()
-            try:
-                manifest = write_dataset(
+
+            def build() -> Manifest:
+                return write_dataset(
                     self.backend,
                     dataset_id,
                     version,
@@ -464,26 +465,18 @@ class Store:
                     source_fingerprint=options.fingerprint,
                     replace=replaces is not None,
                 )
-            except (KeyExistsError, LockLostError) as err:
-                # Refused: another manifest is there, or another process took
-                # the lock over. Its committed result, if any, is the answer.
-                winner = self._winner(dataset_id, version)
-                if winner is None:
-                    raise
-                if isinstance(err, KeyExistsError):  # still the holder: clean up
-                    self._sweep(winner)
-                if winner.schema != schema:
-                    element_spec = None
-                return DatasetRef(self, winner, element_spec)
-            except BaseException:
+
+            def drop_build() -> None:
                 # Still the holder: our own chunks are nobody else's to read.
                 delete_build(self.backend, dataset_id, version, build_id)
                 if replaces is None:
                     self._drop_uncommitted(dataset_id, version)
-                raise
-            if replaces is not None:
+
+            manifest, ours = self._commit_or_adopt(dataset_id, version, build, drop_build)
+            if not ours and manifest.schema != schema:
+                element_spec = None
+            elif ours and replaces is not None:
                 logger.info("%s: rebuilt, replacing build %s", manifest.where, replaces.build_id)
-            self._sweep(manifest)
         return DatasetRef(self, manifest, element_spec)
 
     def _hit(
@@ -536,6 +529,49 @@ class Store:
                 self.backend.delete_lock(name)
         except YogaStoreError as err:
             logger.warning("%s: could not remove the failed build's files: %s", name, err)
+
+    def _commit_or_adopt(
+        self,
+        dataset_id: str,
+        version: str,
+        commit: Callable[[], Manifest],
+        abandon: Callable[[], None] | None = None,
+    ) -> tuple[Manifest, bool]:
+        """Write a version under its lock; if another writer's commit won, adopt it.
+
+        ``commit`` writes the chunks and then the manifest (the exclusive put
+        that commits). It is refused when another manifest is already there
+        (``KeyExistsError``) or another process took the lock over
+        (``LockLostError``): that writer's committed manifest, if any, is then
+        the answer. While this process still holds the lock (our commit, or a
+        refused exclusive put), the keys the committed manifest does not name
+        are swept. Called holding the version's lock.
+
+        Args:
+            dataset_id: the dataset.
+            version: the version.
+            commit: writes the version and returns its committed manifest.
+            abandon: called when ``commit`` fails for any other reason,
+                before the error propagates (drop what it wrote).
+
+        Returns:
+            The committed manifest, and whether it is ours.
+        """
+        try:
+            manifest = commit()
+        except (KeyExistsError, LockLostError) as err:
+            winner = self._winner(dataset_id, version)
+            if winner is None:
+                raise
+            if isinstance(err, KeyExistsError):  # still the holder: clean up
+                self._sweep(winner)
+            return winner, False
+        except BaseException:
+            if abandon is not None:
+                abandon()
+            raise
+        self._sweep(manifest)
+        return manifest, True
 
     def _winner(self, dataset_id: str, version: str) -> Manifest | None:
         """Return the manifest another builder committed when ours was refused."""
@@ -717,27 +753,25 @@ class Store:
         key = ref.manifest.key
         if to.backend.exists(key):
             return to.open(dataset_id, version)
+
+        def upload() -> Manifest:
+            for i, info in enumerate(ref.manifest.chunks):
+                data = bytes(self.backend.get(info.key))
+                try:
+                    verify_chunk(self.backend.url, ref.manifest, i, data, memo=False)
+                except CorruptCacheError as err:
+                    raise CorruptCacheError(f"copying from {self.url}: {err}") from err
+                to.backend.put(info.key, data)
+            to.backend.put_exclusive(key, ref.manifest.to_json())
+            return ref.manifest
+
         with to.backend.lock(f"{dataset_id}/{version}", timeout=to.lock_timeout):
             if to.backend.exists(key):
                 return to.open(dataset_id, version)  # another copier finished first
             # Leftovers of a copy or build that died are swept after the commit.
-            try:
-                for i, info in enumerate(ref.manifest.chunks):
-                    data = bytes(self.backend.get(info.key))
-                    try:
-                        verify_chunk(self.backend.url, ref.manifest, i, data, memo=False)
-                    except CorruptCacheError as err:
-                        raise CorruptCacheError(f"copying from {self.url}: {err}") from err
-                    to.backend.put(info.key, data)
-                to.backend.put_exclusive(key, ref.manifest.to_json())
-            except (KeyExistsError, LockLostError) as err:
-                winner = to._winner(dataset_id, version)
-                if winner is None:
-                    raise
-                if isinstance(err, KeyExistsError):  # still the holder: clean up
-                    to._sweep(winner)
-                return DatasetRef(to, winner)
-            to._sweep(ref.manifest)
+            manifest, ours = to._commit_or_adopt(dataset_id, version, upload)
+            if not ours:
+                return DatasetRef(to, manifest)
         return to.open(dataset_id, version)
 
 
