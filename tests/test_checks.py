@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from storage_backends.errors import CorruptCacheError, InvalidArgumentError
-from yogastore.checks import check_int, is_int
+from yogastore.checks import check_int, explain_keyword_only, is_int
 
 REFUSED: list[tuple[Any, int, int | None, str]] = [
     (True, 0, None, "n must be an integer >= 0, got True"),
@@ -50,3 +50,18 @@ def test_numpy_integers_can_be_refused_and_errors_chosen() -> None:
         check_int("n", np.int64(3), allow_numpy=False)
     with pytest.raises(CorruptCacheError, match="field 'count' must be an integer >= 1"):
         check_int("chunk 3: field 'count'", 0, 1, error=CorruptCacheError)
+
+
+class _Thing:
+    @explain_keyword_only
+    def call(self, a: int, b: int = 0, *, c: int = 0, d: str = "") -> tuple[int, int, int, str]:
+        return a, b, c, d
+
+
+def test_keyword_only_calls_work_and_positional_ones_name_the_keywords() -> None:
+    assert _Thing().call(1, 2, c=3, d="x") == (1, 2, 3, "x")
+    with pytest.raises(TypeError) as info:
+        _Thing().call(1, 2, 3, "x")  # type: ignore[misc]
+    assert str(info.value) == (
+        "_Thing.call() takes only a and b by position; pass the others by keyword: c=3, d='x'"
+    )

@@ -130,6 +130,12 @@ def test_invalid_stream_arguments(ref: yogastore.DatasetRef, kwargs: dict[str, o
         ref.stream(**kwargs)  # type: ignore[arg-type]
 
 
+def test_old_positional_stream_call_names_the_keywords(ref: yogastore.DatasetRef) -> None:
+    with pytest.raises(TypeError, match=r"by keyword: shuffle=False, seed=3$"):
+        ref.stream(0, 4, False, 3)  # type: ignore[misc]
+    assert len(ref.stream(0, 4, shuffle=False, seed=3)) == 5
+
+
 def test_invalid_batch_size_and_consumed(ref: yogastore.DatasetRef) -> None:
     stream = ref.stream()
     for bad in (0, -3):

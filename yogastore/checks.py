@@ -8,13 +8,19 @@ names the argument, the range allowed and the value seen.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
 from storage_backends.errors import InvalidArgumentError
 
-__all__ = ["check_int", "is_int"]
+__all__ = ["check_int", "explain_keyword_only", "is_int"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def is_int(value: Any, *, allow_numpy: bool = True) -> bool:
@@ -67,3 +73,35 @@ def check_int(
     if not fits or (high is not None and value > high):
         raise error(f"{name} must be an integer {_range_text(low, high)}, got {value!r}")
     return int(value)
+
+
+def explain_keyword_only(fn: Callable[P, R]) -> Callable[P, R]:
+    """Make a call that passes keyword-only parameters by position say how to write it.
+
+    Python's own ``TypeError`` ("takes from 1 to 3 positional arguments but 4
+    were given") does not say which parameters became keyword-only; code
+    written when they were positional gets a ``TypeError`` naming them, with
+    the values it passed. The signature, and so what type checkers see, is
+    ``fn``'s.
+    """
+    params = list(inspect.signature(fn).parameters.values())
+    positional = [
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    keyword = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    shown = [n for n in positional if n not in ("self", "cls")]
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        if len(args) > len(positional):
+            extra = args[len(positional) :]
+            named = ", ".join(f"{n}={v!r:.40}" for n, v in zip(keyword, extra, strict=False))
+            raise TypeError(
+                f"{fn.__qualname__}() takes only {' and '.join(shown) or 'no arguments'} by "
+                f"position; pass the others by keyword: {named or '...'}"
+            )
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -33,7 +33,7 @@ from yogastore.buildcheck import (
     delete_build,
     guarded_items,
 )
-from yogastore.checks import check_int
+from yogastore.checks import check_int, explain_keyword_only
 from yogastore.manifest import Manifest, manifest_key, validate_name
 from yogastore.order import Shuffle
 from yogastore.progress import Progress, default_progress
@@ -155,21 +155,26 @@ class DatasetRef:
             return Shuffle.BLOCK if self.store.remote else Shuffle.GLOBAL
         raise InvalidArgumentError(f"shuffle must be a bool or Shuffle, got {shuffle!r}")
 
+    # Everything up to num_epochs used to be positional: such calls get a
+    # TypeError naming the keywords to use.
+    @explain_keyword_only
     def stream(
         self,
         shard_rank: int = 0,
         num_shards: int = 1,
+        *,
         shuffle: bool | Shuffle = True,
         seed: int = 0,
         epoch: int = 0,
         start_offset: int = 0,
         drop_remainder: bool = False,
         num_epochs: int | None = 1,
-        *,
         block_window: int = DEFAULT_BLOCK_WINDOW,
         prefetch: int | None = None,
     ) -> Stream:
         """Return rank ``shard_rank``'s stream of ``num_shards``.
+
+        Every argument after ``num_shards`` is keyword-only.
 
         Args:
             shard_rank: this rank, ``0 <= shard_rank < num_shards``.
