@@ -25,3 +25,18 @@ def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["--store", str(tmp_path), "delete", "d", "1"]) == 0
     assert main(["--store", str(tmp_path), "info", "d", "1"]) == 1
     assert "no dataset 'd'" in capsys.readouterr().err
+
+
+def test_verify_checks_chunks_this_process_already_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = yogastore.Store(tmp_path, chunk_bytes=256)
+    ref = store.cache("d", "1", lambda: (np.full(8, i, np.int16) for i in range(100)), spec=SPEC)
+    assert len(list(ref.stream(shuffle=False))) == 100  # every chunk verified and remembered
+    info = ref.manifest.chunks[1]
+    data = bytearray(store.backend.get(info.key))
+    data[-1] ^= 0xFF
+    store.backend.put(info.key, bytes(data))
+    assert main(["--store", str(tmp_path), "verify", "d", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "chunk 1 " in err and "checksum mismatch" in err and "1 of" in err

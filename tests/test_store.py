@@ -130,6 +130,12 @@ def test_invalid_stream_arguments(ref: yogastore.DatasetRef, kwargs: dict[str, o
         ref.stream(**kwargs)  # type: ignore[arg-type]
 
 
+def test_old_positional_stream_call_names_the_keywords(ref: yogastore.DatasetRef) -> None:
+    with pytest.raises(TypeError, match=r"by keyword: shuffle=False, seed=3$"):
+        ref.stream(0, 4, False, 3)  # type: ignore[misc]
+    assert len(ref.stream(0, 4, shuffle=False, seed=3)) == 5
+
+
 def test_invalid_batch_size_and_consumed(ref: yogastore.DatasetRef) -> None:
     stream = ref.stream()
     for bad in (0, -3):
@@ -172,3 +178,25 @@ def test_endless_stream_keeps_going(ref: yogastore.DatasetRef) -> None:
 def test_shuffle_true_is_global_locally(ref: yogastore.DatasetRef) -> None:
     assert ref.stream(shuffle=True).shuffle is yogastore.Shuffle.GLOBAL
     assert ref.stream(shuffle=False).shuffle is yogastore.Shuffle.NONE
+
+
+def test_copy_adopts_the_version_another_copier_committed_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = yogastore.Store(tmp_path / "a").cache("d", "1", lambda: items(20), spec=SPEC)
+    theirs = yogastore.Store(tmp_path / "c").cache("d", "1", lambda: items(30), spec=SPEC)
+    to = yogastore.Store(tmp_path / "b")
+    put_exclusive = to.backend.put_exclusive
+
+    def commit_theirs_first(key: str, data: bytes) -> None:
+        # Another copier commits its build between our chunks and our manifest.
+        for info in theirs.manifest.chunks:
+            to.backend.put(info.key, bytes(theirs.store.backend.get(info.key)))
+        put_exclusive(theirs.manifest.key, theirs.manifest.to_json())
+        put_exclusive(key, data)  # refused: KeyExistsError
+
+    monkeypatch.setattr(to.backend, "put_exclusive", commit_theirs_first)
+    ref = source.store.copy("d", "1", to=to)
+    assert (ref.manifest.build_id, ref.num_records) == (theirs.manifest.build_id, 30)
+    assert set(to.backend.list("d/1/")) == theirs.manifest.keys()  # our chunks swept
+    assert [int(e["y"]) for e in to.open("d", "1").stream(shuffle=False)] == list(range(30))

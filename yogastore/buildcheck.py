@@ -25,6 +25,7 @@ from storage_backends.errors import (
     StaleCacheError,
     StorageError,
 )
+from yogastore.checks import check_int
 from yogastore.manifest import Manifest
 from yogastore.spec import ComponentSpec, Kind, Schema
 from yogastore.writer import SourceItem, chunk_key_prefix
@@ -47,10 +48,8 @@ _UNKNOWN = -2  # tf.data.UNKNOWN_CARDINALITY
 
 
 def _optional_positive(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer or None, got {value!r}")
+    if value is not None:
+        check_int(name, value, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,7 +24,7 @@ from storage_backends.errors import (
 )
 from yogastore.cli_queue import add_queue_parser, run_queue
 from yogastore.format import ChunkView
-from yogastore.reader import verify_once
+from yogastore.reader import verify_chunk
 from yogastore.store import DatasetRef, Store
 
 __all__ = ["main"]
@@ -69,7 +69,7 @@ def _verify(store: Store, dataset_id: str, version: str) -> int:
         where = f"{ref.manifest.where} chunk {i} ({info.key})"
         try:
             data = store.backend.get(info.key)
-            verify_once(store.url + "#cli", ref.manifest, i, data)
+            verify_chunk(store.backend.url, ref.manifest, i, data, memo=False)
             ChunkView(data, columns, info.count, where)
         except KeyNotFoundError:
             damaged += 1

@@ -22,7 +22,7 @@ from storage_backends.errors import (
     LockTimeoutError,
     StorageError,
 )
-from yogastore.manifest import validate_name
+from yogastore.manifest import MANIFEST, validate_name
 
 if TYPE_CHECKING:
     from yogastore.store import GcEntry, Store
@@ -31,7 +31,6 @@ __all__ = ["check_own", "collect_garbage", "is_own_key", "own_versions"]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 # What a build writes in a version besides its manifest: c-<build id>-<n>.
 _CHUNK_NAME = re.compile(r"c-[0-9A-Za-z_-]+-[0-9]+")
 
@@ -132,7 +131,7 @@ def _collect(store: Store, dataset_id: str, version: str) -> GcEntry | None:
         backend.delete_prefix(prefix)
         backend.delete_lock(name)
         return GcEntry(dataset_id, version, len(keys), freed, False)
-    keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
+    keep = manifest.keys()
     stale = [key for key in keys if key not in keep]
     freed = sum(backend.size(key) for key in stale)
     for key in stale:

@@ -12,9 +12,10 @@ import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore.agreement import check_agreement, horovod_allgather, strategy_allgather
+from yogastore.checks import check_int
 from yogastore.order import Shuffle
 from yogastore.steps import EpochSize
-from yogastore.stream import Stream, _check_int
+from yogastore.stream import Stream
 
 if TYPE_CHECKING:
     from yogastore.distributed import StreamPosition
@@ -96,7 +97,7 @@ def horovod_dataset(
     import horovod.tensorflow as hvd
 
     rank, size = int(hvd.rank()), int(hvd.size())
-    batch_size = _check_int("batch_size", batch_size, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
     steps = None
     if epoch_size is not None and isinstance(epoch_size, EpochSize):
         steps = epoch_size.resolve(position.ref.num_records, size, batch_size, position.remainder)
@@ -145,7 +146,7 @@ def dataset_fn(
             multiple of the number of replicas.
         RankMismatchError: (with ``strategy``) the workers disagree.
     """
-    global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+    global_batch_size = check_int("global_batch_size", global_batch_size, 1)
     if strategy is not None:
         _check_split(global_batch_size, int(strategy.num_replicas_in_sync), 1)
         steps = None

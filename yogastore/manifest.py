@@ -17,14 +17,26 @@ import xxhash
 
 from storage_backends.errors import CorruptCacheError, InvalidArgumentError
 from yogastore import boundedjson
+from yogastore.checks import check_int
 from yogastore.format import ColumnSpec, columns_for
 from yogastore.spec import Schema
 
-__all__ = ["FORMAT_VERSION", "MAX_NAME_BYTES", "ChunkInfo", "Manifest", "checksum", "validate_name"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MAX_NAME_BYTES",
+    "ChunkInfo",
+    "Manifest",
+    "checksum",
+    "manifest_key",
+    "validate_name",
+]
 
 #: 2: chunk indexes carry block checksums of the data (``yogastore.blocks``).
 #: Older versions are refused with a message saying to build again.
 FORMAT_VERSION = 2
+#: Name of a version's manifest, under ``<dataset id>/<version>/``: its key commits the version.
+MANIFEST = "manifest.json"
 #: Longest dataset id or version, in UTF-8 bytes.
 MAX_NAME_BYTES = 200
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
@@ -33,6 +45,11 @@ _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
 def checksum(data: bytes | memoryview) -> str:
     """Return the checksum string recorded for ``data``."""
     return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def manifest_key(dataset_id: str, version: str) -> str:
+    """Return the key of a version's manifest."""
+    return f"{dataset_id}/{version}/{MANIFEST}"
 
 
 def validate_name(value: Any, what: str) -> str:
@@ -78,12 +95,7 @@ class ChunkInfo:
 
 
 def _int(obj: dict[str, Any], name: str, where: str, low: int = 0) -> int:
-    value = obj.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise CorruptCacheError(
-            f"{where}: field {name!r} must be an integer >= {low}, got {value!r}"
-        )
-    return value
+    return check_int(f"{where}: field {name!r}", obj.get(name), low, error=CorruptCacheError)
 
 
 def _str(obj: dict[str, Any], name: str, where: str) -> str:
@@ -115,6 +127,15 @@ class Manifest:
     @property
     def where(self) -> str:
         return f"dataset {self.dataset_id!r} version {self.version!r}"
+
+    @property
+    def key(self) -> str:
+        """The key of this manifest."""
+        return manifest_key(self.dataset_id, self.version)
+
+    def keys(self) -> frozenset[str]:
+        """Return the keys this manifest commits: its own and its chunks'."""
+        return frozenset((self.key, *(c.key for c in self.chunks)))
 
     def columns(self) -> list[ColumnSpec]:
         """Return the flat column list of the schema."""

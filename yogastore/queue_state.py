@@ -11,10 +11,10 @@ import dataclasses
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
+from yogastore.checks import check_int, is_int
 from yogastore.order import Interval, Shuffle, intervals_length
 
 __all__ = [
@@ -30,12 +30,6 @@ __all__ = [
 
 _STATE_VERSION = 1
 _MAX_STATE_BYTES = 64 << 20
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 def union(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
@@ -92,7 +86,8 @@ class WorkQueueState:
 
     def __post_init__(self) -> None:
         for name in ("num_records", "seed", "epoch", "num_epochs", "block_window", "num_slices"):
-            _check_int(f"state {name}", getattr(self, name), 0)
+            # Plain ints only: the state is written back as JSON as it is.
+            check_int(f"state {name}", getattr(self, name), 0, allow_numpy=False)
         for e, intervals in self.consumed:
             if not self.epoch <= e < self.epoch + self.num_epochs:
                 raise InvalidArgumentError(f"state names epoch {e} outside the job's epochs")
@@ -173,7 +168,7 @@ class WorkQueueState:
             consumed = []
             for e, ivs in doc["consumed"]:
                 pairs = [(a, b) for a, b in ivs]
-                if any(type(v) is not int for v in itertools.chain([e], *pairs)):
+                if not all(is_int(v, allow_numpy=False) for v in itertools.chain([e], *pairs)):
                     raise ValueError("epochs and positions must be integers")
                 consumed.append((e, tuple(pairs)))
             return cls(

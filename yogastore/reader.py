@@ -27,7 +27,14 @@ from yogastore.format import ChunkView, ColumnBatch
 from yogastore.manifest import Manifest, checksum
 from yogastore.rows import FixedRows, VarRows
 
-__all__ = ["ChunkSource", "LocalChunkSource", "ReadStats", "locate", "uniform_chunk_size"]
+__all__ = [
+    "ChunkSource",
+    "LocalChunkSource",
+    "ReadStats",
+    "locate",
+    "uniform_chunk_size",
+    "verify_chunk",
+]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -99,7 +106,7 @@ def missing_chunk_error(backend: Backend, manifest: Manifest, where: str) -> Yog
     """
     try:
         prefix = f"{manifest.dataset_id}/{manifest.version}/"
-        current = Manifest.from_json(backend.get(prefix + "manifest.json"), where, prefix)
+        current = Manifest.from_json(backend.get(manifest.key), where, prefix)
     except KeyNotFoundError:
         return DatasetChangedError(
             f"{where}: this version was deleted from {backend.url} after it was opened; "
@@ -118,13 +125,37 @@ def missing_chunk_error(backend: Backend, manifest: Manifest, where: str) -> Yog
     )
 
 
-def verify_once(url: str, manifest: Manifest, chunk: int, data: bytes | memoryview) -> bool:
-    """Check one chunk's length and checksum unless already done in this process."""
+def verify_chunk(
+    url: str, manifest: Manifest, chunk: int, data: bytes | memoryview, *, memo: bool = True
+) -> bool:
+    """Check one chunk's bytes against the manifest: their length and checksum.
+
+    The one check of whole chunks, and its one memo: chunks of a backend whose
+    bytes stay put for the life of the process (a memory-mapped local store)
+    are checked the first time this process reads them, not on every read.
+
+    Args:
+        url: the backend's URL (with the chunk key and checksum, the memo's key).
+        manifest: the version the chunk belongs to.
+        chunk: the chunk's index in the manifest.
+        data: the chunk's bytes.
+        memo: skip a chunk this process already verified, and remember this
+            one; ``False`` for bytes just fetched or when every chunk must be
+            checked (``yogastore verify``): the memo is then neither read nor
+            written.
+
+    Returns:
+        Whether the bytes were checked now (``False``: verified before).
+
+    Raises:
+        CorruptCacheError: wrong length or checksum mismatch.
+    """
     info = manifest.chunks[chunk]
     token = (url, info.key, info.checksum)
-    with _VERIFIED_LOCK:
-        if token in _VERIFIED:
-            return False
+    if memo:
+        with _VERIFIED_LOCK:
+            if token in _VERIFIED:
+                return False
     if len(data) != info.nbytes:
         raise CorruptCacheError(
             f"{manifest.where} chunk {chunk} ({info.key}): {len(data)} bytes, "
@@ -135,8 +166,9 @@ def verify_once(url: str, manifest: Manifest, chunk: int, data: bytes | memoryvi
             f"{manifest.where} chunk {chunk} ({info.key}): checksum mismatch; the cache is "
             "corrupted, delete and rebuild this version"
         )
-    with _VERIFIED_LOCK:
-        _VERIFIED.add(token)
+    if memo:
+        with _VERIFIED_LOCK:
+            _VERIFIED.add(token)
     return True
 
 
@@ -161,7 +193,7 @@ class LocalChunkSource:
         self._loaded = np.zeros(num_chunks, dtype=bool)
         self._all_loaded = num_chunks == 0
         # Any key of the version names the file its views map.
-        self._mapped_key = f"{manifest.dataset_id}/{manifest.version}/manifest.json"
+        self._mapped_key = manifest.key
 
     def view(self, chunk: int) -> ChunkView:
         """Return the validated view of one chunk."""
@@ -174,7 +206,7 @@ class LocalChunkSource:
             data = self.backend.get(info.key)
         except KeyNotFoundError as err:
             raise missing_chunk_error(self.backend, self.manifest, where) from err
-        verified = verify_once(self.backend.url, self.manifest, chunk, data)
+        verified = verify_chunk(self.backend.url, self.manifest, chunk, data)
         view = ChunkView(data, self._columns, info.count, where)
         with self._lock:
             known = self._views.get(chunk)

@@ -75,7 +75,7 @@ from yogastore.diskcache import DiskCache
 from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
 from yogastore.manifest import Manifest, checksum
 from yogastore.read_options import ReadOptions
-from yogastore.reader import ReadStats, locate, missing_chunk_error
+from yogastore.reader import ReadStats, locate, missing_chunk_error, verify_chunk
 from yogastore.remote_plan import (
     ChunkState,
     IntArray,
@@ -444,19 +444,24 @@ class RemoteChunkSource:
         state = job.state
         where = self._where(state)
         attempt = 1
-        while checksum(job.buf.data) != state.info.checksum:
-            if job.from_cache and self.cache is not None:
-                logger.warning("%s: cached copy fails its checksum; fetching it again", where)
-                self._cache_call(self.cache.drop_chunk, state.cid)
-            elif attempt >= _ATTEMPTS:
-                raise CorruptCacheError(
-                    f"{where}: checksum mismatch in {attempt} fetches from {self.backend.url}; "
-                    "the stored chunk or the network path corrupts data: check the endpoint, "
-                    "or delete and rebuild this version"
-                )
-            else:
-                attempt += 1
-                self._count_refetch(where, "chunk checksum mismatch")
+        while True:
+            try:
+                # Fresh bytes every time: never skipped by the verified-chunk memo.
+                verify_chunk(self.backend.url, self.manifest, state.chunk, job.buf.data, memo=False)
+                break
+            except CorruptCacheError as err:
+                if job.from_cache and self.cache is not None:
+                    logger.warning("%s: cached copy fails its checksum; fetching it again", where)
+                    self._cache_call(self.cache.drop_chunk, state.cid)
+                elif attempt >= _ATTEMPTS:
+                    raise CorruptCacheError(
+                        f"{where}: checksum mismatch in {attempt} fetches from "
+                        f"{self.backend.url}; the stored chunk or the network path corrupts "
+                        "data: check the endpoint, or delete and rebuild this version"
+                    ) from err
+                else:
+                    attempt += 1
+                    self._count_refetch(where, "chunk checksum mismatch")
             job.from_cache = False
             self._run([job], use_cache=False)
         if self.cache is not None:

@@ -32,12 +32,13 @@ from yogastore.buildcheck import (
     delete_build,
     guarded_items,
 )
-from yogastore.manifest import Manifest, validate_name
+from yogastore.checks import check_int, explain_keyword_only
+from yogastore.manifest import Manifest, manifest_key, validate_name
 from yogastore.order import Shuffle
 from yogastore.paths import default_root
 from yogastore.progress import Progress, default_progress
 from yogastore.read_options import ReadOptions
-from yogastore.reader import ChunkSource, LocalChunkSource
+from yogastore.reader import ChunkSource, LocalChunkSource, verify_chunk
 from yogastore.spec import ComponentSpec, Schema
 from yogastore.stream import Stream, StreamState
 from yogastore.writer import new_build_id, records_from_iterable, write_dataset
@@ -49,7 +50,6 @@ __all__ = ["DatasetInfo", "DatasetRef", "GcEntry", "Store", "default_root"]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_BLOCK_WINDOW = 4
 #: ``Store`` keywords that set a field of its ``ReadOptions`` (not backend options).
@@ -152,21 +152,26 @@ class DatasetRef:
             return Shuffle.BLOCK if self.store.remote else Shuffle.GLOBAL
         raise InvalidArgumentError(f"shuffle must be a bool or Shuffle, got {shuffle!r}")
 
+    # Everything up to num_epochs used to be positional: such calls get a
+    # TypeError naming the keywords to use.
+    @explain_keyword_only
     def stream(
         self,
         shard_rank: int = 0,
         num_shards: int = 1,
+        *,
         shuffle: bool | Shuffle = True,
         seed: int = 0,
         epoch: int = 0,
         start_offset: int = 0,
         drop_remainder: bool = False,
         num_epochs: int | None = 1,
-        *,
         block_window: int = DEFAULT_BLOCK_WINDOW,
         prefetch: int | None = None,
     ) -> Stream:
         """Return rank ``shard_rank``'s stream of ``num_shards``.
+
+        Every argument after ``num_shards`` is keyword-only.
 
         Args:
             shard_rank: this rank, ``0 <= shard_rank < num_shards``.
@@ -322,10 +327,7 @@ class Store:
         read_options: ReadOptions | Mapping[str, Any] | None = None,
         **backend_options: Any,
     ) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise InvalidArgumentError(
-                f"chunk_bytes must be a positive integer, got {chunk_bytes!r}"
-            )
+        chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         self.read_options = ReadOptions.of(read_options)
         shorthand = {k: backend_options.pop(k) for k in _READ_KEYWORDS if k in backend_options}
         if shorthand:
@@ -352,10 +354,9 @@ class Store:
         return LocalChunkSource(self.backend, manifest)
 
     def _read_manifest(self, dataset_id: str, version: str) -> Manifest | None:
-        key = f"{dataset_id}/{version}/{MANIFEST}"
         where = f"dataset {dataset_id!r} version {version!r} in {self.url}"
         try:
-            data = self.backend.get(key)
+            data = self.backend.get(manifest_key(dataset_id, version))
         except KeyNotFoundError:
             return None
         manifest = Manifest.from_json(data, where, f"{dataset_id}/{version}/")
@@ -455,8 +456,9 @@ class Store:
             schema, items, element_spec = self._prepare(source, spec)
             items = guarded_items(items, f"{dataset_id}/{version}", options)
             build_id = new_build_id()
-            try:
-                manifest = write_dataset(
+
+            def build() -> Manifest:
+                return write_dataset(
                     self.backend,
                     dataset_id,
                     version,
@@ -469,26 +471,18 @@ class Store:
                     source_fingerprint=options.fingerprint,
                     replace=replaces is not None,
                 )
-            except (KeyExistsError, LockLostError) as err:
-                # Refused: another manifest is there, or another process took
-                # the lock over. Its committed result, if any, is the answer.
-                winner = self._winner(dataset_id, version)
-                if winner is None:
-                    raise
-                if isinstance(err, KeyExistsError):  # still the holder: clean up
-                    self._sweep(winner)
-                if winner.schema != schema:
-                    element_spec = None
-                return DatasetRef(self, winner, element_spec)
-            except BaseException:
+
+            def drop_build() -> None:
                 # Still the holder: our own chunks are nobody else's to read.
                 delete_build(self.backend, dataset_id, version, build_id)
                 if replaces is None:
                     self._drop_uncommitted(dataset_id, version)
-                raise
-            if replaces is not None:
+
+            manifest, ours = self._commit_or_adopt(dataset_id, version, build, drop_build)
+            if not ours and manifest.schema != schema:
+                element_spec = None
+            elif ours and replaces is not None:
                 logger.info("%s: rebuilt, replacing build %s", manifest.where, replaces.build_id)
-            self._sweep(manifest)
         return DatasetRef(self, manifest, element_spec)
 
     def _hit(
@@ -542,6 +536,49 @@ class Store:
         except YogaStoreError as err:
             logger.warning("%s: could not remove the failed build's files: %s", name, err)
 
+    def _commit_or_adopt(
+        self,
+        dataset_id: str,
+        version: str,
+        commit: Callable[[], Manifest],
+        abandon: Callable[[], None] | None = None,
+    ) -> tuple[Manifest, bool]:
+        """Write a version under its lock; if another writer's commit won, adopt it.
+
+        ``commit`` writes the chunks and then the manifest (the exclusive put
+        that commits). It is refused when another manifest is already there
+        (``KeyExistsError``) or another process took the lock over
+        (``LockLostError``): that writer's committed manifest, if any, is then
+        the answer. While this process still holds the lock (our commit, or a
+        refused exclusive put), the keys the committed manifest does not name
+        are swept. Called holding the version's lock.
+
+        Args:
+            dataset_id: the dataset.
+            version: the version.
+            commit: writes the version and returns its committed manifest.
+            abandon: called when ``commit`` fails for any other reason,
+                before the error propagates (drop what it wrote).
+
+        Returns:
+            The committed manifest, and whether it is ours.
+        """
+        try:
+            manifest = commit()
+        except (KeyExistsError, LockLostError) as err:
+            winner = self._winner(dataset_id, version)
+            if winner is None:
+                raise
+            if isinstance(err, KeyExistsError):  # still the holder: clean up
+                self._sweep(winner)
+            return winner, False
+        except BaseException:
+            if abandon is not None:
+                abandon()
+            raise
+        self._sweep(manifest)
+        return manifest, True
+
     def _winner(self, dataset_id: str, version: str) -> Manifest | None:
         """Return the manifest another builder committed when ours was refused."""
         manifest = self._read_manifest(dataset_id, version)
@@ -565,7 +602,7 @@ class Store:
             # writing what looks like a leftover: never delete it here.
             return
         prefix = f"{manifest.dataset_id}/{manifest.version}/"
-        keep = {prefix + MANIFEST, *(c.key for c in manifest.chunks)}
+        keep = manifest.keys()
         try:
             stale = [key for key in self.backend.list(prefix) if key not in keep]
             for key in stale:
@@ -687,8 +724,9 @@ class Store:
             keys = self.backend.list(prefix)
             housekeeping.check_own(keys, prefix, self.url)
             present = bool(keys) or self.backend.disk_usage(prefix) > 0
-            if prefix + MANIFEST in keys:
-                self.backend.delete(prefix + MANIFEST)
+            committed = manifest_key(dataset_id, version)
+            if committed in keys:
+                self.backend.delete(committed)
             self.backend.delete_prefix(prefix)
             self.backend.delete_lock(name)
         queues = queue_prefix(dataset_id, version)
@@ -717,35 +755,29 @@ class Store:
 
     def copy(self, dataset_id: str, version: str = "1", *, to: Store) -> DatasetRef:
         """Copy a dataset version to another store, verifying every chunk's checksum."""
-        from yogastore.manifest import checksum
-
         ref = self.open(dataset_id, version)
-        if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
+        key = ref.manifest.key
+        if to.backend.exists(key):
             return to.open(dataset_id, version)
+
+        def upload() -> Manifest:
+            for i, info in enumerate(ref.manifest.chunks):
+                data = bytes(self.backend.get(info.key))
+                try:
+                    verify_chunk(self.backend.url, ref.manifest, i, data, memo=False)
+                except CorruptCacheError as err:
+                    raise CorruptCacheError(f"copying from {self.url}: {err}") from err
+                to.backend.put(info.key, data)
+            to.backend.put_exclusive(key, ref.manifest.to_json())
+            return ref.manifest
+
         with to.backend.lock(f"{dataset_id}/{version}", timeout=to.lock_timeout):
-            if to.backend.exists(f"{dataset_id}/{version}/{MANIFEST}"):
+            if to.backend.exists(key):
                 return to.open(dataset_id, version)  # another copier finished first
             # Leftovers of a copy or build that died are swept after the commit.
-            try:
-                for i, info in enumerate(ref.manifest.chunks):
-                    data = bytes(self.backend.get(info.key))
-                    if checksum(data) != info.checksum:
-                        raise CorruptCacheError(
-                            f"{ref.manifest.where} chunk {i} ({info.key}): checksum mismatch "
-                            "while copying"
-                        )
-                    to.backend.put(info.key, data)
-                to.backend.put_exclusive(
-                    f"{dataset_id}/{version}/{MANIFEST}", ref.manifest.to_json()
-                )
-            except (KeyExistsError, LockLostError) as err:
-                winner = to._winner(dataset_id, version)
-                if winner is None:
-                    raise
-                if isinstance(err, KeyExistsError):  # still the holder: clean up
-                    to._sweep(winner)
-                return DatasetRef(to, winner)
-            to._sweep(ref.manifest)
+            manifest, ours = to._commit_or_adopt(dataset_id, version, upload)
+            if not ours:
+                return DatasetRef(to, manifest)
         return to.open(dataset_id, version)
 
 

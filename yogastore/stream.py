@@ -24,6 +24,7 @@ from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.assemble import batch_components, batch_length, element_components, slice_batch
 from yogastore.assignment import Assignment, StaticAssignment
+from yogastore.checks import check_int, is_int
 from yogastore.format import StringFormat
 from yogastore.order import (
     KEY_LIMIT,
@@ -83,8 +84,8 @@ class StreamState:
             last = b
         if self.epoch < 0 or self.block_window < 1 or self.num_records < 0:
             raise InvalidArgumentError(f"resume state has invalid numbers: {self}")
-        _check_int("resume state seed", self.seed, 0, KEY_LIMIT)
-        _check_int("resume state epoch", self.epoch, 0, KEY_LIMIT)
+        check_int("resume state seed", self.seed, 0, KEY_LIMIT - 1)
+        check_int("resume state epoch", self.epoch, 0, KEY_LIMIT - 1)
 
     @property
     def remaining_records(self) -> int:
@@ -128,9 +129,8 @@ class StreamState:
                 raise ValueError("not a yogastore stream state of a known version")
             ints = [doc[k] for k in ("num_records", "seed", "epoch", "block_window")]
             pairs = [tuple(p) for p in doc["remaining"]]
-            if any(
-                isinstance(v, bool) or not isinstance(v, int)
-                for v in [*ints, *itertools.chain.from_iterable(pairs)]
+            if not all(
+                is_int(v, allow_numpy=False) for v in [*ints, *itertools.chain.from_iterable(pairs)]
             ) or any(len(p) != 2 for p in pairs):
                 raise ValueError("numbers must be integers and intervals pairs")
             return cls(
@@ -166,18 +166,8 @@ def splittable(schema: Schema) -> bool:
     )
 
 
-def _check_int(name: str, value: Any, low: int, limit: int | None = None) -> int:
-    """Return ``value`` as an int if ``low <= value`` (and ``value < limit`` when given)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | np.integer)
-        or value < low
-        or (limit is not None and value >= limit)
-    ):
-        top = "2**64" if limit == KEY_LIMIT else str(limit)
-        bound = f">= {low}" if limit is None else f"in [{low}, {top})"
-        raise InvalidArgumentError(f"{name} must be an integer {bound}, got {value!r}")
-    return int(value)
+# distributed.py and steps.py import the check under its old name.
+_check_int = check_int
 
 
 class Stream:
@@ -200,17 +190,17 @@ class Stream:
         prefetch: int | None = None,
         assignment: Assignment | None = None,
     ) -> None:
-        self.num_shards = _check_int("num_shards", num_shards, 1)
-        self.shard_rank = _check_int("shard_rank", shard_rank, 0)
+        self.num_shards = check_int("num_shards", num_shards, 1)
+        self.shard_rank = check_int("shard_rank", shard_rank, 0)
         if self.shard_rank >= self.num_shards:
             raise InvalidArgumentError(f"shard_rank {shard_rank} must be < num_shards {num_shards}")
         # Seeds and epochs key the order modulo 2**64: larger ones would alias.
-        self.seed = _check_int("seed", seed, 0, KEY_LIMIT)
-        self.epoch = _check_int("epoch", epoch, 0, KEY_LIMIT)
-        self.start_offset = _check_int("start_offset", start_offset, 0)
-        self.num_epochs = None if num_epochs is None else _check_int("num_epochs", num_epochs, 0)
-        self.block_window = _check_int("block_window", block_window, 1)
-        self.prefetch = None if prefetch is None else _check_int("prefetch", prefetch, 0)
+        self.seed = check_int("seed", seed, 0, KEY_LIMIT - 1)
+        self.epoch = check_int("epoch", epoch, 0, KEY_LIMIT - 1)
+        self.start_offset = check_int("start_offset", start_offset, 0)
+        self.num_epochs = None if num_epochs is None else check_int("num_epochs", num_epochs, 0)
+        self.block_window = check_int("block_window", block_window, 1)
+        self.prefetch = None if prefetch is None else check_int("prefetch", prefetch, 0)
         if not isinstance(shuffle, Shuffle):
             raise InvalidArgumentError(f"shuffle must be a Shuffle, got {shuffle!r}")
         self.shuffle = shuffle
@@ -274,7 +264,7 @@ class Stream:
 
     def record_indices(self, batch_size: int) -> Iterator[IntArray]:
         """Yield this rank's record indices in batches of ``batch_size`` (last may be short)."""
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
         # A shuffled order costs a fixed overhead per call (cycle walking), so
         # map positions many batches at a time and hand out slices.
         carry: IntArray | None = None
@@ -370,7 +360,7 @@ class Stream:
         time (about ``_GATHER_BYTES``) and handed out as views, which spreads
         the fixed cost of a gather over many batches.
         """
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
         if not isinstance(strings, StringFormat):
             raise InvalidArgumentError(f"strings must be a StringFormat, got {strings!r}")
         schema = self.ref.schema
@@ -469,7 +459,7 @@ class Stream:
             InvalidArgumentError: ``consumed`` is negative, or so large that
                 the epoch it reaches is beyond what a state can hold (2**64).
         """
-        consumed = _check_int("consumed", consumed, 0)
+        consumed = check_int("consumed", consumed, 0)
         if self.static is None:
             raise TypeError(
                 f"{type(self.assignment).__name__} streams keep their position in their own state"

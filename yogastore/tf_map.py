@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore.checks import check_int
 from yogastore.spec import Kind
 
 if TYPE_CHECKING:
@@ -36,12 +37,6 @@ class Batching(enum.Enum):
     """``Dataset.ragged_batch``: variable-length dense components become ragged."""
 
 
-def _int_at_least(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
 def check_tf_args(
     batch_size: Any,
     drop_remainder: Any,
@@ -57,7 +52,7 @@ def check_tf_args(
         InvalidArgumentError: naming the argument and what it must be.
     """
     if batch_size is not None:
-        _int_at_least("batch_size", batch_size, 1)
+        check_int("batch_size", batch_size, 1)
     if not isinstance(drop_remainder, bool | np.bool_):
         raise InvalidArgumentError(f"drop_remainder must be a bool, got {drop_remainder!r}")
     if drop_remainder and batch_size is None:
@@ -68,7 +63,7 @@ def check_tf_args(
         if map_fn is None:
             raise InvalidArgumentError("num_parallel_calls needs a map_fn")
         if num_parallel_calls != tf.data.AUTOTUNE:
-            _int_at_least("num_parallel_calls", num_parallel_calls, 1)
+            check_int("num_parallel_calls", num_parallel_calls, 1)
     if not isinstance(batching, Batching):
         raise InvalidArgumentError(f"batching must be a Batching, got {batching!r}")
     if batching is not Batching.DENSE and batch_size is None:

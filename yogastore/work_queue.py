@@ -45,6 +45,7 @@ from storage_backends.errors import (
     KeyNotFoundError,
 )
 from yogastore import boundedjson
+from yogastore.checks import check_int, is_int
 from yogastore.order import Interval, Shuffle, intervals_length, split_intervals
 from yogastore.queue_claims import QueueAssignment
 from yogastore.queue_files import using
@@ -104,14 +105,6 @@ def _check_name(value: Any, what: str) -> str:
             f"{what} must be 1-200 characters of letters, digits and ._@:+- "
             f"(starting with a letter or digit), got {value!r}"
         )
-    return value
-
-
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
-    if high is not None and value > high:
-        raise InvalidArgumentError(f"{name} must be <= {high}, got {value!r}")
     return value
 
 
@@ -192,10 +185,10 @@ class WorkQueue:
                 )
             num_slices, shuffle, seed = resume.num_slices, resume.shuffle, resume.seed
             epoch, num_epochs, block_window = resume.epoch, resume.num_epochs, resume.block_window
-        self.num_slices = _check_int("num_slices", num_slices, 1, _MAX_SLICES)
-        self.seed = _check_int("seed", seed, 0)
-        self.epoch = _check_int("epoch", epoch, 0)
-        self.num_epochs = _check_int("num_epochs", num_epochs, 1)
+        self.num_slices = check_int("num_slices", num_slices, 1, _MAX_SLICES)
+        self.seed = check_int("seed", seed, 0)
+        self.epoch = check_int("epoch", epoch, 0)
+        self.num_epochs = check_int("num_epochs", num_epochs, 1)
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
             raise InvalidArgumentError(f"lease_seconds must be a number, got {lease_seconds!r}")
         if not 0.05 <= lease_seconds <= _MAX_LEASE:
@@ -210,7 +203,7 @@ class WorkQueue:
             )
         template = ref.stream(shuffle=shuffle, seed=self.seed, epoch=self.epoch, num_epochs=1)
         self.shuffle = template.shuffle
-        self.block_window = _check_int(
+        self.block_window = check_int(
             "block_window", template.block_window if block_window is None else block_window, 1
         )
         self.resumed_from = resume
@@ -347,7 +340,7 @@ class WorkQueue:
             worker = doc["worker"]
             if not isinstance(worker, str):
                 raise TypeError(f"worker {worker!r:.50} is not a string")
-            expiry = _check_int("expires_ms", doc["expires_ms"], 0)
+            expiry = check_int("expires_ms", doc["expires_ms"], 0)
         except KeyNotFoundError:
             return "", 0
         except (InvalidArgumentError, KeyError, TypeError) as err:
@@ -390,7 +383,7 @@ class WorkQueue:
         if (
             not isinstance(doc, dict)
             or not isinstance(doc.get("worker"), str)
-            or type(doc.get("records")) is not int
+            or not is_int(doc.get("records"), allow_numpy=False)
             or doc["records"] != want
         ):
             raise CorruptCacheError(
@@ -550,8 +543,7 @@ class QueueStream(Stream):
         Merge the states of all workers taken at one checkpoint with
         ``WorkQueueState.merge``; a resumed job starts from the merge.
         """
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
-            raise InvalidArgumentError(f"consumed must be an integer >= 0, got {consumed!r}")
+        consumed = check_int("consumed", consumed, 0)
         q = self.queue
         mine = self.claims.consumed(consumed)
         before = q.resumed_from

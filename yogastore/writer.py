@@ -206,9 +206,9 @@ def write_dataset(
         source_fingerprint=source_fingerprint,
     )
     if replace:
-        backend.put(prefix + "manifest.json", manifest.to_json())
+        backend.put(manifest.key, manifest.to_json())
     else:
-        backend.put_exclusive(prefix + "manifest.json", manifest.to_json())
+        backend.put_exclusive(manifest.key, manifest.to_json())
     elapsed = time.perf_counter() - started
     logger.info(
         "cached %s/%s: %d records, %d chunks, %.1f MB in %.2fs (%.0f records/s)",
