@@ -197,6 +197,20 @@ class Backend(abc.ABC):
         """
         return self._disk_usage(_check_prefix(prefix))
 
+    def exclusive_puts_problem(self) -> str | None:
+        """Return ``None`` if ``put_exclusive`` is atomic across processes here, else why not.
+
+        A local store enforces it by its write lock; an object store may
+        accept ``If-None-Match`` and ignore it, so its backend probes the
+        store (once per process and bucket). Callers that rest on exclusive
+        puts from many writers (work queue claims) refuse a store for which
+        this is not ``None``.
+
+        Raises:
+            StorageError: the probe itself failed.
+        """
+        return None
+
     def check_mapped(self, key: str) -> None:
         """Raise if buffers read earlier from where ``key`` lives can no longer be read.
 

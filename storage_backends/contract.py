@@ -64,6 +64,8 @@ class BackendContract:
         for name in ("upload_workers", "max_parallel"):
             value = getattr(backend, name)
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, name
+        # The stores the suite runs against keep exclusive puts exclusive.
+        assert backend.exclusive_puts_problem() is None
 
     def test_put_get_roundtrip(self, backend: Backend) -> None:
         backend.put("a/b/value", DATA)

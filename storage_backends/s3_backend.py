@@ -68,7 +68,7 @@ from storage_backends.s3_errors import (
 )
 from storage_backends.s3_lock import S3Lock
 from storage_backends.s3_options import MIN_PART, Coordination, S3Options
-from storage_backends.s3_probe import check_conditional_writes
+from storage_backends.s3_probe import check_conditional_writes, conditional_writes_verdict
 
 try:
     import boto3
@@ -511,6 +511,11 @@ class S3Backend(Backend):
                     f"deleting under {prefix!r} in {self.where} failed for {len(errors)} keys, "
                     f"first: {errors[0]}",
                 )
+
+    def exclusive_puts_problem(self) -> str | None:
+        """Probe (once per endpoint and bucket) whether the store enforces ``If-None-Match``."""
+        verdict = conditional_writes_verdict(self)
+        return None if verdict is None else f"{self.endpoint_url or 'AWS S3'}: {verdict}"
 
     def _lock(self, name: str, timeout: float | None) -> contextlib.AbstractContextManager[None]:
         # Locks guard builds (and copies, deletes): first make sure the store

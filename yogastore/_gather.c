@@ -371,7 +371,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "yogastore._gather",
-    "Compiled loops of the read path: row and range gathers (yogastore.rows) and "
+    "Compiled loops of the read path: row and range gathers (yogastore.format.memory) and "
     "the shuffled order (yogastore.order.FeistelPermutation).", -1, methods,
 };
 

@@ -23,6 +23,7 @@ import numpy.typing as npt
 import xxhash
 
 from storage_backends.errors import CorruptCacheError
+from yogastore.checks import is_int
 
 __all__ = ["BLOCK_BYTES", "BlockSums", "block_size", "digest_blocks"]
 
@@ -119,7 +120,7 @@ class BlockSums:
         if (
             not isinstance(entry, list)
             or len(entry) != 4
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+            or not all(is_int(v, allow_numpy=False) for v in entry)
             or not isinstance(end, int)
         ):
             raise CorruptCacheError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeGuard, TypeVar
 
 import numpy as np
 
@@ -23,7 +23,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def is_int(value: Any, *, allow_numpy: bool = True) -> bool:
+def is_int(value: Any, *, allow_numpy: bool = True) -> TypeGuard[int | np.integer[Any]]:
     """Return whether ``value`` is an integer: an ``int`` or a numpy integer, never a bool.
 
     Args:

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore.checks import check_int
 from yogastore.launchers import dataset_fn, horovod_dataset, horovod_stream
 from yogastore.position import EpochRest, Position
 from yogastore.steps import EpochSize, Remainder
-from yogastore.stream import _check_int
 
 if TYPE_CHECKING:
     from yogastore.keras_callback import PositionCallback
@@ -146,12 +146,12 @@ class StreamPosition(Position, tf.train.experimental.PythonState):  # type: igno
             InvalidArgumentError: an argument is out of range.
             RankMismatchError: (with ``allgather``) the ranks disagree.
         """
-        num_shards = _check_int("num_shards", num_shards, 1)
-        shard_rank = _check_int("shard_rank", shard_rank, 0)
+        num_shards = check_int("num_shards", num_shards, 1)
+        shard_rank = check_int("shard_rank", shard_rank, 0)
         if shard_rank >= num_shards:
             raise InvalidArgumentError(f"shard_rank {shard_rank} must be < num_shards {num_shards}")
-        batch_size = _check_int("batch_size", batch_size, 1)
-        batches_per_step = _check_int("batches_per_step", batches_per_step, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
+        batches_per_step = check_int("batches_per_step", batches_per_step, 1)
         if epoch_size is not None and not isinstance(epoch_size, EpochSize):
             raise InvalidArgumentError(f"epoch_size must be an EpochSize, got {epoch_size!r}")
         steps = None

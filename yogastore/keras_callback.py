@@ -8,21 +8,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import keras  # type: ignore[import-untyped]
-import numpy as np
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
+from yogastore.checks import check_int
 
 if TYPE_CHECKING:
     from yogastore.distributed import StreamPosition
 
 __all__ = ["PositionCallback"]
-
-
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 class PositionCallback(keras.callbacks.Callback):  # type: ignore[misc]
@@ -70,7 +64,7 @@ class PositionCallback(keras.callbacks.Callback):  # type: ignore[misc]
         super().__init__()
         self.position = position
         self.manager = manager
-        self.save_every = None if save_every is None else _positive("save_every", save_every)
+        self.save_every = None if save_every is None else check_int("save_every", save_every, 1)
         self._seen = 0
         self._since_save = 0
         self._data_epoch = 0

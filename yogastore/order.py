@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from yogastore.arrays import IntArray
+
 try:  # the compiled permutation loop; without it the numpy rounds below run
     from yogastore import _gather
 except ImportError:  # pragma: no cover - the package builds it on install
@@ -52,7 +54,6 @@ __all__ = [
 ]
 
 Interval = tuple[int, int]
-IntArray = npt.NDArray[np.int64]
 
 #: Seeds and epochs key the order as 64-bit words: both must be below this, or
 #: two different values would give the same order (and a state that cannot be read back).

@@ -18,15 +18,16 @@ from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.agreement import AllGather, check_agreement
+from yogastore.arrays import IntArray
+from yogastore.checks import check_int
 from yogastore.order import Shuffle
 from yogastore.steps import Remainder, steps_for
 from yogastore.store import DEFAULT_BLOCK_WINDOW
-from yogastore.stream import Stream, StreamState, _check_int
+from yogastore.stream import Stream, StreamState
 
 if TYPE_CHECKING:
     from yogastore.store import DatasetRef
@@ -36,7 +37,6 @@ __all__ = ["EpochRest", "Position"]
 logger = logging.getLogger(__name__)
 
 _POSITION_VERSION = 1
-IntArray = npt.NDArray[np.int64]
 
 
 class Position:
@@ -63,7 +63,7 @@ class Position:
         probe = ref.stream(0, 1, shuffle=shuffle, seed=seed, epoch=epoch, block_window=block_window)
         self.ref = ref
         self.remainder = remainder
-        self.prefetch = None if prefetch is None else _check_int("prefetch", prefetch, 0)
+        self.prefetch = None if prefetch is None else check_int("prefetch", prefetch, 0)
         self._lock = threading.Lock()
         self._start = self._fresh(probe.shuffle, probe.seed, probe.epoch, probe.block_window)
         self._layout: tuple[int, int] | None = None  # (num_shards, records per shard per step)
@@ -154,8 +154,8 @@ class Position:
         The same for every shard; the whole epoch's step count when
         ``mid_epoch`` is false.
         """
-        num_shards = _check_int("num_shards", num_shards, 1)
-        per_step = _check_int("batch_size", batch_size, 1) * _check_int(
+        num_shards = check_int("num_shards", num_shards, 1)
+        per_step = check_int("batch_size", batch_size, 1) * check_int(
             "batches_per_step", batches_per_step, 1
         )
         total = self.state().remaining_records
@@ -173,7 +173,7 @@ class Position:
             InvalidArgumentError: no dataset of this position has been
                 iterated yet, so the step size is unknown.
         """
-        steps = _check_int("steps", steps, 0)
+        steps = check_int("steps", steps, 0)
         with self._lock:
             if self._layout is None:
                 raise InvalidArgumentError(
@@ -255,8 +255,7 @@ class Position:
             state = StreamState.from_json(json.dumps(doc["state"]))
             remainder = Remainder(doc.get("remainder", self.remainder.value))
             global_step = doc.get("global_step", 0)
-            if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
-                raise ValueError(f"global_step must be an integer >= 0, got {global_step!r}")
+            check_int("global_step", global_step, 0, allow_numpy=False, error=ValueError)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise InvalidArgumentError(f"invalid stream position {text!r:.200}: {err}") from err
         if state.dataset != self.ref.fingerprint or state.num_records != self.ref.num_records:

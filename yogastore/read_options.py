@@ -17,6 +17,7 @@ from typing import Any
 
 from storage_backends.base import Backend
 from storage_backends.errors import InvalidArgumentError
+from yogastore.checks import check_int
 from yogastore.paths import default_root
 
 __all__ = ["ReadOptions"]
@@ -25,8 +26,7 @@ _MIB = 1 << 20
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgumentError(f"read option {name} must be an integer >= {low}, got {value!r}")
+    check_int(f"read option {name}", value, low, allow_numpy=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

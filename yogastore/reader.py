@@ -4,7 +4,7 @@ A ``ChunkSource`` turns an array of record indices into one ``ColumnBatch``
 per column. The local source maps whole chunks zero-copy (LMDB memory map),
 verifies each chunk's checksum the first time this process touches it and then
 gathers each column across all chunks with one compiled copy
-(``yogastore.rows``): rows for fixed shapes, byte ranges for the others.
+(``yogastore.format.memory``): rows for fixed shapes, byte ranges for the others.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import threading
 from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from storage_backends import Backend
 from storage_backends.errors import (
@@ -23,9 +22,10 @@ from storage_backends.errors import (
     KeyNotFoundError,
     YogaStoreError,
 )
+from yogastore.arrays import IntArray
 from yogastore.format import ChunkView, ColumnBatch
+from yogastore.format.memory import FixedRows, VarRows
 from yogastore.manifest import Manifest, checksum
-from yogastore.rows import FixedRows, VarRows
 
 __all__ = [
     "ChunkSource",
@@ -36,7 +36,6 @@ __all__ = [
     "verify_chunk",
 ]
 
-IntArray = npt.NDArray[np.int64]
 
 # Chunks whose checksum this process has verified: (backend url, key, checksum).
 _VERIFIED: set[tuple[str, str, str]] = set()

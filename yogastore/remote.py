@@ -70,6 +70,7 @@ from storage_backends.errors import (
     InvalidArgumentError,
     KeyNotFoundError,
 )
+from yogastore.arrays import IntArray
 from yogastore.blocks import BlockSums
 from yogastore.diskcache import DiskCache
 from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
@@ -78,7 +79,6 @@ from yogastore.read_options import ReadOptions
 from yogastore.reader import ReadStats, locate, missing_chunk_error, verify_chunk
 from yogastore.remote_plan import (
     ChunkState,
-    IntArray,
     Job,
     Planned,
     Range,

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from storage_backends.errors import CorruptCacheError
+from yogastore.arrays import BoolArray, IntArray
 from yogastore.blocks import BlockSums
 from yogastore.diskcache import Piece
 from yogastore.format import ChunkView, ColumnSpec
@@ -26,7 +27,6 @@ from yogastore.manifest import ChunkInfo
 
 __all__ = [
     "ChunkState",
-    "IntArray",
     "Job",
     "Planned",
     "Range",
@@ -36,8 +36,6 @@ __all__ = [
     "record_jobs",
 ]
 
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 Range = tuple[int, int]  # [start, end) byte offsets within one chunk
 
 _WHOLE_GAP = 4096  # holes this close are fetched together when completing a chunk

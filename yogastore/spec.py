@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from storage_backends.errors import CorruptCacheError, UnsupportedElementError
+from yogastore.checks import is_int
 
 __all__ = [
     "ComponentSpec",
@@ -122,9 +123,7 @@ class ComponentSpec:
             )
         elements = 1
         for d in self.shape:
-            if d is not None and (
-                isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DIM
-            ):
+            if d is not None and (not is_int(d, allow_numpy=False) or not 0 <= d <= MAX_DIM):
                 raise UnsupportedElementError(
                     f"shape {self.shape} has an invalid dimension {d!r} (each must be an "
                     f"integer in [0, {MAX_DIM}] or None)"
@@ -179,9 +178,9 @@ class ComponentSpec:
 
 
 def _json_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value, allow_numpy=False):
         raise TypeError(f"expected an integer, got {value!r}")
-    return value
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

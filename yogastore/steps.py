@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 from storage_backends.errors import InvalidArgumentError
-from yogastore.stream import _check_int
+from yogastore.checks import check_int
 
 __all__ = ["EpochSize", "Remainder", "steps_for"]
 
@@ -58,7 +58,7 @@ class EpochSize:
         for name in ("steps", "records"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(f"EpochSize.{name}", value, 1)
+                check_int(f"EpochSize.{name}", value, 1)
 
     def resolve(
         self, num_records: int, num_shards: int, per_step: int, remainder: Remainder

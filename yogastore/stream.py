@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
+from yogastore.arrays import IntArray
 from yogastore.assemble import batch_components, batch_length, element_components, slice_batch
 from yogastore.assignment import Assignment, StaticAssignment
 from yogastore.checks import check_int, is_int
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Stream", "StreamState", "fixed_numeric", "splittable"]
 
-IntArray = npt.NDArray[np.int64]
 # Version 2: the shuffled order is the unbalanced Feistel network of order.py;
 # version-1 states named positions of another permutation.
 _STATE_VERSION = 2
@@ -164,10 +163,6 @@ def splittable(schema: Schema) -> bool:
     return bool(schema.components) and all(
         c.fixed or (c.kind is Kind.RAGGED and c.ragged_rank == 0) for c in schema.components
     )
-
-
-# distributed.py and steps.py import the check under its old name.
-_check_int = check_int
 
 
 class Stream:

@@ -32,11 +32,11 @@ import errno
 import hashlib
 import json
 import re
-import sys
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from storage_backends.base import Backend
 from storage_backends.errors import (
     CoordinationError,
     CorruptCacheError,
@@ -108,23 +108,18 @@ def _check_name(value: Any, what: str) -> str:
     return value
 
 
-def check_exclusive_puts(backend: Any) -> None:
+def check_exclusive_puts(backend: Backend) -> None:
     """Refuse an object store that does not enforce ``If-None-Match`` (claims rest on it).
 
     Raises:
         CoordinationError: the store ignores conditional writes.
     """
-    s3 = sys.modules.get("storage_backends.s3_backend")
-    if s3 is None or not isinstance(backend, s3.S3Backend):
-        return  # the local store's exclusive put is enforced by its write lock
-    from storage_backends.s3_probe import conditional_writes_verdict
-
-    verdict = conditional_writes_verdict(backend)
+    verdict = backend.exclusive_puts_problem()
     if verdict is not None:
         raise CoordinationError(
             errno.ENOTSUP,
-            f"refusing to claim work queue slices in {backend.where}: the store at "
-            f"{backend.endpoint_url or 'AWS S3'} does not enforce conditional writes "
+            f"refusing to claim work queue slices in {backend.url}: the store "
+            f"does not enforce conditional writes "
             f"({verdict}), so two workers could claim the same slice and read it twice; "
             "coordination='single-writer' does not make a queue safe (its workers all "
             "write claims); use a store that enforces If-None-Match (AWS S3, MinIO), "

@@ -65,7 +65,9 @@ def moto_endpoint() -> str:
 def create_bucket(endpoint: str | None, bucket: str) -> None:
     import boto3
 
-    client = boto3.client("s3", region_name=REGION, endpoint_url=endpoint)
+    # A new session reads the credentials now set (boto3's default session
+    # keeps the first ones it found for the life of the process).
+    client = boto3.session.Session().client("s3", region_name=REGION, endpoint_url=endpoint)
     client.create_bucket(Bucket=bucket)
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from storage_backends.errors import CorruptCacheError, UnsupportedElementError
-from yogastore.format.layout import ColumnSpec, IntArray
+from yogastore.arrays import IntArray
+from yogastore.format.layout import ColumnSpec
 
 try:  # compiled loops; without them the string split falls back to Python
     from yogastore import _gather

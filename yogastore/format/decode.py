@@ -14,13 +14,14 @@ import numpy as np
 
 from storage_backends.errors import CorruptCacheError
 from yogastore import boundedjson
+from yogastore.arrays import IntArray
+from yogastore.checks import is_int
 from yogastore.format.layout import (
     I64,
     MAGIC,
     MAX_HEADER,
     PREFIX,
     ColumnSpec,
-    IntArray,
     dims_or_zero,
 )
 
@@ -48,11 +49,7 @@ def parse_header(prefix: bytes | memoryview, total: int, where: str) -> dict[str
     if not isinstance(header, dict) or not isinstance(header.get("cols"), list):
         raise CorruptCacheError(f"{where}: chunk header lacks a column table")
     end = header.get("index_end")
-    if (
-        not isinstance(end, int)
-        or isinstance(end, bool)
-        or not PREFIX.size + length <= end <= total
-    ):
+    if not is_int(end, allow_numpy=False) or not PREFIX.size + length <= end <= total:
         raise CorruptCacheError(f"{where}: chunk index end {end!r} is out of bounds")
     for col in header["cols"]:
         if not isinstance(col, dict):
@@ -63,7 +60,7 @@ def parse_header(prefix: bytes | memoryview, total: int, where: str) -> dict[str
                 kind not in ("data", "shapes", "offsets", "boffsets")
                 or not isinstance(region, list)
                 or len(region) != 2
-                or not all(_is_int(v) for v in region)
+                or not all(is_int(v, allow_numpy=False) for v in region)
                 or region[0] < 0
                 or region[1] < 0
                 or region[0] + region[1] > limit
@@ -73,10 +70,6 @@ def parse_header(prefix: bytes | memoryview, total: int, where: str) -> dict[str
                     f"{where}: region {kind}={region!r} lies outside the chunk ({limit} bytes)"
                 )
     return header
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(slots=True)

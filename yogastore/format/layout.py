@@ -28,7 +28,6 @@ import struct
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from yogastore.spec import STRING, ComponentSpec, Kind, numpy_dtype
 
@@ -49,7 +48,6 @@ ALIGN = 64
 PREFIX = struct.Struct("<4sI")
 I64 = np.dtype("<i8")
 MAX_HEADER = 1 << 24
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -25,9 +25,9 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
 
 from storage_backends.errors import CorruptCacheError, UnsupportedElementError
+from yogastore.arrays import IntArray
 from yogastore.format.batch import ColumnBatch
 from yogastore.format.decode import ChunkView
 from yogastore.format.layout import ALIGN, ColumnSpec, dims_or_zero
@@ -45,8 +45,6 @@ __all__ = [
     "copy_rows",
     "gather_views",
 ]
-
-IntArray = npt.NDArray[np.int64]
 
 
 # Compiled copies and their numpy definitions ------------------------------------
