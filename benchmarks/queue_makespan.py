@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import yogastore as y
-from yogastore.queue_claims import QueueAssignment
+from yogastore.queue.claims import QueueAssignment
 
 SPEC = {"id": y.ComponentSpec(shape=(), dtype="int64")}
 CTX = multiprocessing.get_context("spawn")

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(median of {args.repeats}: {t:.2f} s)"
             )
     try:
-        from yogastore.blocks import BlockSums, digest_blocks
+        from yogastore.format.blocks import BlockSums, digest_blocks
     except ImportError:
         server.stop()
         return 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from yogastore import RankMismatchError
-from yogastore.agreement import check_agreement, setting_hashes
+from yogastore.train.agreement import check_agreement, setting_hashes
 
 
 def run_ranks(per_rank: list[dict[str, Any]]) -> list[str | None]:

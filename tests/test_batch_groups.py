@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import yogastore
-from yogastore.stream import Stream
+from yogastore.read.stream import Stream
 
 N = 1000
 SPEC = {

@@ -14,9 +14,9 @@ from storage_backends.errors import CorruptCacheError, InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.format import MAGIC, parse_header
 from yogastore.format.layout import PREFIX as _PREFIX
-from yogastore.manifest import Manifest
+from yogastore.format.manifest import Manifest
+from yogastore.read.stream import StreamState
 from yogastore.spec import MAX_DIM, ComponentSpec
-from yogastore.stream import StreamState
 
 SPEC = {"x": yogastore.ComponentSpec(shape=(2,), dtype="int64")}
 

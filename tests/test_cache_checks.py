@@ -10,7 +10,7 @@ import pytest
 
 import yogastore
 from storage_backends.errors import BuildLimitError, StaleCacheError
-from yogastore.progress import LineProgress
+from yogastore.build.progress import LineProgress
 
 SPEC = {"x": yogastore.ComponentSpec(shape=(3,), dtype="float32")}
 

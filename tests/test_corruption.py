@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import yogastore
-from yogastore.manifest import checksum
+from yogastore.format.manifest import checksum
 
 SPEC = {
     "x": yogastore.ComponentSpec(shape=(4,), dtype="int32"),

@@ -15,7 +15,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from yogastore.diskcache import DiskCache
+    from yogastore.read.diskcache import DiskCache
     directory, mode = Path(sys.argv[1]), sys.argv[2]
     cache = DiskCache(directory, 1 << 24)
     cid = b"c" * 16

@@ -475,7 +475,7 @@ def test_position_callback_is_imported_on_first_use() -> None:
         "assert not hasattr(yd, 'NoSuchName')\n"
         "from yogastore.distributed import PositionCallback\n"
         "assert PositionCallback is sys.modules['yogastore.keras_callback'].PositionCallback\n"
-        "import yogastore.position\n"
+        "import yogastore.train.position\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -484,8 +484,8 @@ def test_position_callback_is_imported_on_first_use() -> None:
 def test_position_arithmetic_needs_no_tensorflow() -> None:
     code = (
         "import sys\n"
-        "import yogastore.position, yogastore.steps\n"
-        "assert 'tensorflow' not in sys.modules, 'yogastore.position imported TensorFlow'\n"
+        "import yogastore.train.position, yogastore.train.steps\n"
+        "assert 'tensorflow' not in sys.modules, 'yogastore.train.position imported TensorFlow'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import yogastore
-from yogastore.order import (
+from yogastore.read.order import (
     BlockShuffleOrder,
     FeistelPermutation,
     GlobalShuffleOrder,

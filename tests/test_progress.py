@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import yogastore
-from yogastore.progress import LineProgress
+from yogastore.build.progress import LineProgress
 
 LINE = re.compile(r": (\d+)/(\d+) records, [\d.]+%, ([\d.]+) (B|KB|MB), ")
 
@@ -68,7 +68,7 @@ def test_iterable_source_shows_bytes_per_record(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cap", [1, 8, 16, 20, 100, 512])
 def test_growing_batches_cover_the_source_in_order(cap: int) -> None:
-    from yogastore.tf_build import _growing_batches
+    from yogastore.build.tf_build import _growing_batches
 
     batches = [b.numpy().tolist() for b in _growing_batches(tf.data.Dataset.range(1000), cap)]
     assert [x for b in batches for x in b] == list(range(1000))

@@ -21,9 +21,9 @@ from tests.backends.s3_support import (
     moto_endpoint,
     records,
 )
-from yogastore.diskcache import _META, DiskCache, _digest
-from yogastore.read_options import ReadOptions
-from yogastore.remote import RemoteChunkSource
+from yogastore.read.diskcache import _META, DiskCache, _digest
+from yogastore.read.read_options import ReadOptions
+from yogastore.read.remote import RemoteChunkSource
 
 pytestmark = pytest.mark.s3
 

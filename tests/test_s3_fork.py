@@ -13,7 +13,7 @@ import pytest
 import yogastore as y
 from tests.backends.s3_support import SPEC, blob, create_bucket, fake_credentials, records
 from yogastore.format import ColumnBatch
-from yogastore.remote import RemoteChunkSource
+from yogastore.read.remote import RemoteChunkSource
 
 pytestmark = [pytest.mark.s3, pytest.mark.multiprocess, pytest.mark.timeout(90)]
 

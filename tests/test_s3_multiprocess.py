@@ -31,7 +31,7 @@ from tests.backends.s3_support import (
     records,
     slow_builder,
 )
-from yogastore.blocks import block_size
+from yogastore.format.blocks import block_size
 
 pytestmark = [pytest.mark.s3, pytest.mark.multiprocess, pytest.mark.timeout(180)]
 

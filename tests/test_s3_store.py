@@ -29,9 +29,9 @@ from tests.backends.s3_support import (
     fake_credentials,
     records,
 )
-from yogastore.diskcache import _ENTRY, _META, DiskCache, _digest
-from yogastore.read_options import ReadOptions
-from yogastore.remote import RemoteChunkSource, coalesce
+from yogastore.read.diskcache import _ENTRY, _META, DiskCache, _digest
+from yogastore.read.read_options import ReadOptions
+from yogastore.read.remote import RemoteChunkSource, coalesce
 
 pytestmark = pytest.mark.s3
 
@@ -439,7 +439,7 @@ def test_disk_cache_ranges_lru_and_damage(tmp_path: Path) -> None:
 _OPEN_WHILE_WRITING = """
 import sys, threading, time
 from pathlib import Path
-from yogastore.diskcache import DiskCache
+from yogastore.read.diskcache import DiskCache
 
 directory = Path(sys.argv[1])
 cache = DiskCache(directory, 1 << 20)

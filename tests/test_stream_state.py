@@ -9,8 +9,8 @@ import pytest
 
 import yogastore
 from yogastore import ComponentSpec
-from yogastore.assignment import StaticAssignment
-from yogastore.stream import StreamState
+from yogastore.read.assignment import StaticAssignment
+from yogastore.read.stream import StreamState
 
 SPEC = ComponentSpec(shape=(), dtype="int64")
 TOP = 2**64 - 1  # the largest seed (and epoch) accepted

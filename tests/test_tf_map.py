@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import yogastore
-from yogastore.tf_map import Batching
+from yogastore.tf import Batching
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import yogastore as y
 from tests.backends.s3_support import create_bucket, fake_credentials, moto_endpoint
 from tests.queue_support import build, queue_worker, read_ids
-from yogastore.work_queue import lockstep
+from yogastore.queue.work_queue import lockstep
 
 CTX = multiprocessing.get_context("spawn")
 

@@ -24,21 +24,21 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from storage_backends.s3_options import Coordination
+from yogastore.build.progress import NullProgress, Progress
 from yogastore.format import StringBuffer, StringFormat
-from yogastore.order import Shuffle
-from yogastore.progress import NullProgress, Progress
-from yogastore.queue_jobs import (
+from yogastore.queue.jobs import (
     QueueJob,
     QueueJobNotFoundError,
     delete_queue_jobs,
     list_queue_jobs,
     open_queue_runs,
 )
-from yogastore.read_options import ReadOptions
+from yogastore.queue.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState, lockstep
+from yogastore.read.order import Shuffle
+from yogastore.read.read_options import ReadOptions
+from yogastore.read.stream import Stream, StreamState
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, SparseValue
 from yogastore.store import DatasetInfo, DatasetRef, GcEntry, Store
-from yogastore.stream import Stream, StreamState
-from yogastore.work_queue import QueueStatus, QueueStream, WorkQueue, WorkQueueState, lockstep
 
 __version__ = "0.1.0"
 

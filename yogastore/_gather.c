@@ -15,7 +15,7 @@
  * data[offsets[i] : offsets[i + 1]] (strings as Python objects, when asked for).
  *
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
- * permutation of yogastore.order.FeistelPermutation (same rounds, same words,
+ * permutation of yogastore.read.order.FeistelPermutation (same rounds, same words,
  * same cycle walking) on int64 values in [0, n), writing int64 images to out.
  */
 #define PY_SSIZE_T_CLEAN
@@ -365,14 +365,14 @@ static PyMethodDef methods[] = {
      "split_bytes(data, offsets) -> list[bytes]: data[offsets[i]:offsets[i + 1]] for each i."},
     {"feistel", feistel, METH_VARARGS,
      "feistel(out, values, keys, high_bits, low_bits, wide, n): keyed permutation of "
-     "int64 values in [0, n) into out (see yogastore.order.FeistelPermutation)."},
+     "int64 values in [0, n) into out (see yogastore.read.order.FeistelPermutation)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "yogastore._gather",
     "Compiled loops of the read path: row and range gathers (yogastore.format.memory) and "
-    "the shuffled order (yogastore.order.FeistelPermutation).", -1, methods,
+    "the shuffled order (yogastore.read.order.FeistelPermutation).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module_def); }

@@ -22,9 +22,9 @@ from storage_backends.errors import (
     KeyNotFoundError,
     YogaStoreError,
 )
-from yogastore.cli_queue import add_queue_parser, run_queue
 from yogastore.format import ChunkView
-from yogastore.reader import verify_chunk
+from yogastore.queue.cli import add_queue_parser, run_queue
+from yogastore.read.reader import verify_chunk
 from yogastore.store import DatasetRef, Store
 
 __all__ = ["main"]

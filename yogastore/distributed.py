@@ -14,8 +14,8 @@
 * ``PositionCallback`` (from ``yogastore.keras_callback``, imported with Keras
   on first use): the Keras side (advance per batch, save checkpoints).
 
-The position's arithmetic needs no TensorFlow and lives in ``yogastore.position``
-(equal steps per shard in ``yogastore.steps``); this module adds the ``tf.train``
+The position's arithmetic needs no TensorFlow and lives in ``yogastore.train.position``
+(equal steps per shard in ``yogastore.train.steps``); this module adds the ``tf.train``
 and ``tf.data`` glue.
 
 Every shard runs the same number of steps per epoch, because a synchronous
@@ -40,9 +40,9 @@ import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore.checks import check_int
-from yogastore.launchers import dataset_fn, horovod_dataset, horovod_stream
-from yogastore.position import EpochRest, Position
-from yogastore.steps import EpochSize, Remainder
+from yogastore.train.launchers import dataset_fn, horovod_dataset, horovod_stream
+from yogastore.train.position import EpochRest, Position
+from yogastore.train.steps import EpochSize, Remainder
 
 if TYPE_CHECKING:
     from yogastore.keras_callback import PositionCallback
@@ -99,7 +99,7 @@ class StreamPosition(Position, tf.train.experimental.PythonState):  # type: igno
         block_window: chunks mixed together by ``Shuffle.BLOCK``.
         prefetch: batches read ahead on a background thread (default: 2 for
             object stores, none for local memory-mapped reads).
-        allgather: the ranks' all-gather (see ``yogastore.agreement``); when
+        allgather: the ranks' all-gather (see ``yogastore.train.agreement``); when
             given, the first ``dataset`` call of each layout checks that all
             ranks agree on the dataset, seed, position and layout.
 

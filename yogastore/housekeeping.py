@@ -22,7 +22,7 @@ from storage_backends.errors import (
     LockTimeoutError,
     StorageError,
 )
-from yogastore.manifest import MANIFEST, validate_name
+from yogastore.format.manifest import MANIFEST, validate_name
 
 if TYPE_CHECKING:
     from yogastore.store import GcEntry, Store

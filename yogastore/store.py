@@ -23,7 +23,7 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from yogastore import housekeeping
-from yogastore.buildcheck import (
+from yogastore.build.buildcheck import (
     BuildOptions,
     canonical_fingerprint,
     check_fingerprint,
@@ -32,19 +32,19 @@ from yogastore.buildcheck import (
     delete_build,
     guarded_items,
 )
+from yogastore.build.progress import Progress, default_progress
+from yogastore.build.writer import new_build_id, records_from_iterable, write_dataset
 from yogastore.checks import check_int, explain_keyword_only
-from yogastore.manifest import Manifest, manifest_key, validate_name
-from yogastore.order import Shuffle
+from yogastore.format.manifest import Manifest, manifest_key, validate_name
 from yogastore.paths import default_root
-from yogastore.progress import Progress, default_progress
-from yogastore.read_options import ReadOptions
-from yogastore.reader import ChunkSource, LocalChunkSource, verify_chunk
+from yogastore.read.order import Shuffle
+from yogastore.read.read_options import ReadOptions
+from yogastore.read.reader import ChunkSource, LocalChunkSource, verify_chunk
+from yogastore.read.stream import Stream, StreamState
 from yogastore.spec import ComponentSpec, Schema
-from yogastore.stream import Stream, StreamState
-from yogastore.writer import new_build_id, records_from_iterable, write_dataset
 
 if TYPE_CHECKING:
-    from yogastore.work_queue import WorkQueue, WorkQueueState
+    from yogastore.queue.work_queue import WorkQueue, WorkQueueState
 
 __all__ = ["DatasetInfo", "DatasetRef", "GcEntry", "Store", "default_root"]
 
@@ -240,7 +240,7 @@ class DatasetRef:
         Raises:
             InvalidArgumentError: an argument is out of range.
         """
-        from yogastore.work_queue import WorkQueue
+        from yogastore.queue.work_queue import WorkQueue
 
         return WorkQueue(
             self,
@@ -348,7 +348,7 @@ class Store:
     def make_source(self, manifest: Manifest) -> ChunkSource:
         """Return a chunk source suited to this store's backend."""
         if self.remote:
-            from yogastore.remote import RemoteChunkSource
+            from yogastore.read.remote import RemoteChunkSource
 
             return RemoteChunkSource(self.backend, manifest, self.read_options)
         return LocalChunkSource(self.backend, manifest)
@@ -714,7 +714,7 @@ class Store:
                 (another program's data); nothing is deleted.
             LockTimeoutError: a build kept the lock past ``lock_timeout``.
         """
-        from yogastore.work_queue import queue_prefix
+        from yogastore.queue.work_queue import queue_prefix
 
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")

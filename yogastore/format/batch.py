@@ -153,7 +153,7 @@ class ColumnBatch:
             raise UnsupportedElementError(
                 f"{where}: cannot batch records of different shapes into one dense array "
                 "(as tf.data.Dataset.batch would fail); pass batching=Batching.PADDED or "
-                "Batching.RAGGED (yogastore.tf_map) to to_tf_dataset, or read them unbatched"
+                "Batching.RAGGED (yogastore.train.tf_map) to to_tf_dataset, or read them unbatched"
             )
         shape = (
             tuple(int(d) for d in self.shapes[0])

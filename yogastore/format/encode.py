@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from storage_backends.errors import UnsupportedElementError
-from yogastore.blocks import block_size, digest_blocks
+from yogastore.format.blocks import block_size, digest_blocks
 from yogastore.format.layout import I64, MAGIC, PREFIX, ColumnSpec, align
 
 __all__ = ["ChunkBuilder", "Region", "encode_chunk"]
@@ -131,7 +131,7 @@ def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int,
     """Lay out regions (index regions first) behind a JSON header.
 
     The index ends with the data area's block checksum table
-    (``yogastore.blocks``), so verifying the index verifies the table.
+    (``yogastore.format.blocks``), so verifying the index verifies the table.
     """
     ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
     contents = [_pieces(buf) for _k, _c, buf in ordered]

@@ -19,9 +19,9 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from yogastore import boundedjson
-from yogastore.manifest import validate_name
-from yogastore.order import Shuffle
-from yogastore.work_queue import QUEUE_ROOT, WorkQueue, queue_prefix
+from yogastore.format.manifest import validate_name
+from yogastore.queue.work_queue import QUEUE_ROOT, WorkQueue, queue_prefix
+from yogastore.read.order import Shuffle
 
 if TYPE_CHECKING:
     from yogastore.store import DatasetRef, Store

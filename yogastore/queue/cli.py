@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from yogastore.queue_jobs import delete_queue_jobs, list_queue_jobs, open_queue_runs
-from yogastore.queue_state import QueueStatus
+from yogastore.queue.jobs import delete_queue_jobs, list_queue_jobs, open_queue_runs
+from yogastore.queue.state import QueueStatus
 from yogastore.store import Store
 
 __all__ = ["add_queue_parser", "run_queue"]

@@ -1,6 +1,6 @@
 """What a remote reader holds and fetches: chunk states, byte range jobs, coalescing.
 
-The pieces of ``yogastore.remote`` that do no I/O: what this process holds of
+The pieces of ``yogastore.read.remote`` that do no I/O: what this process holds of
 each chunk, which byte ranges of a chunk hold given records, how ranges merge
 into few requests, how cached pieces and gaps cover a range, and which fetch
 jobs a batch needs.
@@ -20,10 +20,10 @@ import numpy.typing as npt
 
 from storage_backends.errors import CorruptCacheError
 from yogastore.arrays import BoolArray, IntArray
-from yogastore.blocks import BlockSums
-from yogastore.diskcache import Piece
 from yogastore.format import ChunkView, ColumnSpec
-from yogastore.manifest import ChunkInfo
+from yogastore.format.blocks import BlockSums
+from yogastore.format.manifest import ChunkInfo
+from yogastore.read.diskcache import Piece
 
 __all__ = [
     "ChunkState",

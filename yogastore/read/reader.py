@@ -24,8 +24,8 @@ from storage_backends.errors import (
 )
 from yogastore.arrays import IntArray
 from yogastore.format import ChunkView, ColumnBatch
+from yogastore.format.manifest import Manifest, checksum
 from yogastore.format.memory import FixedRows, VarRows
-from yogastore.manifest import Manifest, checksum
 
 __all__ = [
     "ChunkSource",

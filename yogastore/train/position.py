@@ -3,7 +3,7 @@
 ``Position`` is the arithmetic and bookkeeping of ``yogastore.distributed.StreamPosition``
 (which adds the ``tf.train`` checkpoint hooks and ``tf.data`` datasets): the current
 epoch, the steps every shard has done in it, one step count for every shard (see
-``yogastore.steps``), what is left after a restore with any number of shards, and the
+``yogastore.train.steps``), what is left after a restore with any number of shards, and the
 position as JSON. ``EpochRest`` is the stream a position's dataset reads: every pass
 is the rest of the position's epoch, or a fixed number of steps.
 """
@@ -21,13 +21,13 @@ import numpy as np
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
-from yogastore.agreement import AllGather, check_agreement
 from yogastore.arrays import IntArray
 from yogastore.checks import check_int
-from yogastore.order import Shuffle
-from yogastore.steps import Remainder, steps_for
+from yogastore.read.order import Shuffle
+from yogastore.read.stream import Stream, StreamState
 from yogastore.store import DEFAULT_BLOCK_WINDOW
-from yogastore.stream import Stream, StreamState
+from yogastore.train.agreement import AllGather, check_agreement
+from yogastore.train.steps import Remainder, steps_for
 
 if TYPE_CHECKING:
     from yogastore.store import DatasetRef

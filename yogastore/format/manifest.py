@@ -32,7 +32,7 @@ __all__ = [
     "validate_name",
 ]
 
-#: 2: chunk indexes carry block checksums of the data (``yogastore.blocks``).
+#: 2: chunk indexes carry block checksums of the data (``yogastore.format.blocks``).
 #: Older versions are refused with a message saying to build again.
 FORMAT_VERSION = 2
 #: Name of a version's manifest, under ``<dataset id>/<version>/``: its key commits the version.

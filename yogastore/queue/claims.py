@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from storage_backends.errors import KeyExistsError
-from yogastore.assignment import Assignment, Span
-from yogastore.order import Interval, intervals_length
-from yogastore.queue_files import close_if_sole_user
-from yogastore.queue_state import prefix
+from yogastore.queue.files import close_if_sole_user
+from yogastore.queue.state import prefix
+from yogastore.read.assignment import Assignment, Span
+from yogastore.read.order import Interval, intervals_length
 
 if TYPE_CHECKING:
-    from yogastore.work_queue import WorkQueue
+    from yogastore.queue.work_queue import WorkQueue
 
 __all__ = ["QueueAssignment"]
 

@@ -26,9 +26,9 @@ from storage_backends.errors import (
     StorageError,
 )
 from yogastore.checks import check_int
-from yogastore.manifest import Manifest
+from yogastore.format.manifest import Manifest
 from yogastore.spec import ComponentSpec, Kind, Schema
-from yogastore.writer import SourceItem, chunk_key_prefix
+from yogastore.build.writer import SourceItem, chunk_key_prefix
 
 __all__ = [
     "BuildOptions",

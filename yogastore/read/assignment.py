@@ -7,7 +7,7 @@ hands out position intervals. Two implementations exist:
 
 * ``StaticAssignment``: rank ``r`` of ``n`` reads a fixed contiguous span of
   every epoch (the default of ``DatasetRef.stream``; pure arithmetic).
-* ``yogastore.work_queue.QueueAssignment``: a worker claims slices of each
+* ``yogastore.queue.work_queue.QueueAssignment``: a worker claims slices of each
   epoch from a queue kept in the store, so fast workers read more.
 
 Rules every assignment follows:
@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 
-from yogastore.order import (
+from yogastore.read.order import (
     Interval,
     intervals_length,
     remaining_after,

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from yogastore.spec import Kind, RaggedValue, Schema, SparseValue, row_bytes
-from yogastore.stream import splittable
+from yogastore.read.stream import splittable
 
 __all__ = ["dataset_items", "numpy_records"]
 
@@ -50,7 +50,7 @@ def numpy_records(items: Iterable[Any]) -> Iterator[Any]:
 
 def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
     """Iterate a dataset for caching: whole batches when every component is fixed."""
-    from yogastore.writer import component_columns
+    from yogastore.build.writer import component_columns
 
     if all(c.fixed for c in schema.components):
         # About _FIRST_PASS_BYTES per batch: large records in small batches keep

@@ -46,11 +46,10 @@ from storage_backends.errors import (
 )
 from yogastore import boundedjson
 from yogastore.checks import check_int, is_int
-from yogastore.order import Interval, Shuffle, intervals_length, split_intervals
-from yogastore.queue_claims import QueueAssignment
-from yogastore.queue_files import using
-from yogastore.queue_lockstep import lockstep
-from yogastore.queue_state import (
+from yogastore.queue.claims import QueueAssignment
+from yogastore.queue.files import using
+from yogastore.queue.lockstep import lockstep
+from yogastore.queue.state import (
     EpochCounts,
     Lease,
     ListedSlice,
@@ -59,10 +58,11 @@ from yogastore.queue_state import (
     complement,
     union,
 )
-from yogastore.stream import Stream
+from yogastore.read.order import Interval, Shuffle, intervals_length, split_intervals
+from yogastore.read.stream import Stream
 
 if TYPE_CHECKING:
-    from yogastore.reader import ChunkSource
+    from yogastore.read.reader import ChunkSource
     from yogastore.store import DatasetRef
 
 __all__ = [

@@ -21,7 +21,7 @@ from yogastore.checks import check_int
 from yogastore.spec import Kind
 
 if TYPE_CHECKING:
-    from yogastore.stream import Stream
+    from yogastore.read.stream import Stream
 
 __all__ = ["Batching", "check_tf_args", "to_tf_dataset"]
 

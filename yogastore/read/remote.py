@@ -13,7 +13,7 @@ For each chunk a batch touches it either
 
 What is verified: a whole chunk against the manifest's chunk checksum; an
 index against the manifest's ``index_checksum`` (which covers the chunk's
-block checksum table, ``yogastore.blocks``); the data bytes of a ranged read
+block checksum table, ``yogastore.format.blocks``); the data bytes of a ranged read
 block by block: ranges are widened to whole blocks (4 KiB as written today)
 and every block fetched or found in the disk cache is checked against the
 table. A response that fails, comes back short, or is refused as past the end
@@ -28,7 +28,7 @@ records, counts per chunk how many this rank will need, and prepares the next
 batches on background threads (read-ahead on top of the stream's own prefetch).
 
 Every byte range fetched goes through a local read-through cache
-(``yogastore.diskcache``): one LMDB file, ``remote-cache.mdb`` under the
+(``yogastore.read.diskcache``): one LMDB file, ``remote-cache.mdb`` under the
 store's ``ReadOptions.cache_dir`` or yogastore's default root, shared safely
 by the processes of one machine, bounded by ``cache_bytes`` with
 least-recently-used eviction. Each cached range carries an xxh3 digest checked on every hit, and
@@ -38,7 +38,7 @@ entry is dropped and fetched again.
 A source may be used on both sides of ``os.fork``: the child starts with no
 worker threads, no chunks in memory and fresh locks, made on first use; the
 parent is unaffected. The child cannot use the disk cache its parent had open
-(see ``yogastore.diskcache``): it reads from the object store only and logs a
+(see ``yogastore.read.diskcache``): it reads from the object store only and logs a
 warning saying so.
 
 ``stats``: ``requests`` and ``bytes_fetched`` count network reads only;
@@ -71,13 +71,13 @@ from storage_backends.errors import (
     KeyNotFoundError,
 )
 from yogastore.arrays import IntArray
-from yogastore.blocks import BlockSums
-from yogastore.diskcache import DiskCache
 from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
-from yogastore.manifest import Manifest, checksum
-from yogastore.read_options import ReadOptions
-from yogastore.reader import ReadStats, locate, missing_chunk_error, verify_chunk
-from yogastore.remote_plan import (
+from yogastore.format.blocks import BlockSums
+from yogastore.format.manifest import Manifest, checksum
+from yogastore.read.diskcache import DiskCache
+from yogastore.read.read_options import ReadOptions
+from yogastore.read.reader import ReadStats, locate, missing_chunk_error, verify_chunk
+from yogastore.read.remote_plan import (
     ChunkState,
     Job,
     Planned,

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.checks import check_int, is_int
-from yogastore.order import Interval, Shuffle, intervals_length
+from yogastore.read.order import Interval, Shuffle, intervals_length
 
 __all__ = [
     "EpochCounts",

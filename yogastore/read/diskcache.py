@@ -36,7 +36,7 @@ import xxhash
 
 from storage_backends import lmdb_env
 from storage_backends.errors import StorageError
-from yogastore.manifest import ChunkInfo
+from yogastore.format.manifest import ChunkInfo
 
 __all__ = ["CACHE_FILE", "DiskCache", "Piece"]
 

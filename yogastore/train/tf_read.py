@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from yogastore.assemble import batch_components, element_components
+from yogastore.read.assemble import batch_components, element_components
+from yogastore.read.stream import Stream, fixed_numeric, splittable
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, row_bytes
-from yogastore.stream import Stream, fixed_numeric, splittable
-from yogastore.tf_spec import tf_dtype
+from yogastore.train.tf_spec import tf_dtype
 
 __all__ = ["record_dataset", "to_tf_dataset"]
 

@@ -22,11 +22,11 @@ import numpy as np
 from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.arrays import IntArray
-from yogastore.assemble import batch_components, batch_length, element_components, slice_batch
-from yogastore.assignment import Assignment, StaticAssignment
 from yogastore.checks import check_int, is_int
 from yogastore.format import StringFormat
-from yogastore.order import (
+from yogastore.read.assemble import batch_components, batch_length, element_components, slice_batch
+from yogastore.read.assignment import Assignment, StaticAssignment
+from yogastore.read.order import (
     KEY_LIMIT,
     BlockShuffleOrder,
     EpochOrder,
@@ -40,7 +40,7 @@ from yogastore.order import (
 from yogastore.spec import STRING, Kind, Schema, row_bytes
 
 if TYPE_CHECKING:
-    from yogastore.reader import ChunkSource
+    from yogastore.read.reader import ChunkSource
     from yogastore.store import DatasetRef
 
 __all__ = ["Stream", "StreamState", "fixed_numeric", "splittable"]
@@ -414,7 +414,7 @@ class Stream:
                 without it.
             num_parallel_calls: records ``map_fn`` runs on at once (default
                 ``tf.data.AUTOTUNE``).
-            batching: a ``yogastore.tf_map.Batching``: ``DENSE`` (default),
+            batching: a ``yogastore.train.tf_map.Batching``: ``DENSE`` (default),
                 ``PADDED`` or ``RAGGED`` for variable-length dense components.
             padded_shapes: passed to ``padded_batch`` (``PADDED``).
             padding_values: passed to ``padded_batch`` (``PADDED``).
@@ -423,7 +423,7 @@ class Stream:
             InvalidArgumentError: an argument is invalid (checked here, not
                 when the dataset is first iterated).
         """
-        from yogastore import tf_map
+        from yogastore.train import tf_map
 
         return tf_map.to_tf_dataset(
             self,

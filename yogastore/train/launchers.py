@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
-from yogastore.agreement import check_agreement, horovod_allgather, strategy_allgather
 from yogastore.checks import check_int
-from yogastore.order import Shuffle
-from yogastore.steps import EpochSize
-from yogastore.stream import Stream
+from yogastore.read.order import Shuffle
+from yogastore.read.stream import Stream
+from yogastore.train.agreement import check_agreement, horovod_allgather, strategy_allgather
+from yogastore.train.steps import EpochSize
 
 if TYPE_CHECKING:
     from yogastore.distributed import StreamPosition
