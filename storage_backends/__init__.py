@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import os
 import threading
 from typing import Any
 
-from storage_backends.base import Backend, Buffer, check_key
+from storage_backends.base import Backend, Buffer, check_capabilities, check_key
 from storage_backends.errors import InvalidArgumentError
 
 __all__ = [
@@ -66,7 +67,7 @@ def _load(scheme: str, target: str | type[Backend]) -> type[Backend]:
             )
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as err:
+        except Exception as err:  # an import can raise anything; name what failed
             raise InvalidArgumentError(
                 f"cannot load the backend {target!r} for scheme {scheme!r}: {err}"
             ) from err
@@ -76,11 +77,22 @@ def _load(scheme: str, target: str | type[Backend]) -> type[Backend]:
         raise InvalidArgumentError(
             f"backend {target!r} for scheme {scheme!r} is not a storage_backends.Backend"
         )
-    if scheme not in cls.schemes:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if inspect.isabstract(cls):
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
         raise InvalidArgumentError(
-            f"backend {cls.__module__}.{cls.__qualname__} does not serve scheme {scheme!r}: "
-            f"its schemes are {cls.schemes!r}"
+            f"backend {name} for scheme {scheme!r} does not implement {missing}"
         )
+    schemes = cls.schemes
+    if not isinstance(schemes, tuple) or not all(isinstance(s, str) for s in schemes):
+        raise InvalidArgumentError(
+            f"backend {name}: schemes must be a tuple of strings, got {schemes!r}"
+        )
+    if scheme not in schemes:
+        raise InvalidArgumentError(
+            f"backend {name} does not serve scheme {scheme!r}: its schemes are {schemes!r}"
+        )
+    check_capabilities(cls)
     return cls
 
 
@@ -161,4 +173,4 @@ def open_backend(url: str | os.PathLike[str], **options: Any) -> Backend:
         cls = backend_class(scheme)
     except InvalidArgumentError as err:
         raise InvalidArgumentError(f"{text!r}: {err}") from err
-    return cls(text, **options)
+    return check_capabilities(cls(text, **options))

@@ -16,15 +16,16 @@ import builtins
 import contextlib
 import re
 from collections.abc import Iterator, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from storage_backends.errors import InvalidArgumentError
 
-__all__ = ["Backend", "Buffer", "check_key"]
+__all__ = ["Backend", "Buffer", "check_capabilities", "check_key"]
 
 #: Read results: ``bytes`` or a read-only ``memoryview`` that stays valid until
 #: the backend is closed.
 Buffer = bytes | memoryview
+_B = TypeVar("_B", bound="Backend | type[Backend]")
 
 _FORBIDDEN = re.compile(r"[\\\x00]")
 
@@ -53,6 +54,26 @@ def _check_prefix(prefix: str) -> str:
         raise InvalidArgumentError(f"prefix {prefix!r} must be empty or end with '/'")
     check_key(prefix[:-1])
     return prefix
+
+
+def check_capabilities(backend: _B) -> _B:
+    """Return ``backend`` (a class or an instance) if its capabilities have the declared types.
+
+    Raises:
+        InvalidArgumentError: a capability has the wrong type or range; the
+            message names the backend and the attribute.
+    """
+    cls = backend if isinstance(backend, type) else type(backend)
+    name = f"backend {cls.__module__}.{cls.__qualname__}"
+    for attr in ("remote", "coordinated"):
+        value = getattr(backend, attr)
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name}: {attr} must be True or False, got {value!r}")
+    for attr in ("upload_workers", "max_parallel"):
+        value = getattr(backend, attr)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name}: {attr} must be an integer >= 1, got {value!r}")
+    return backend
 
 
 class Backend(abc.ABC):
@@ -209,6 +230,8 @@ class Backend(abc.ABC):
         Raises:
             StorageError: the probe itself failed.
         """
+        if not self.coordinated:
+            return f"{type(self).__name__} declares coordinated = False"
         return None
 
     def check_mapped(self, key: str) -> None:

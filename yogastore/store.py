@@ -330,6 +330,12 @@ class Store:
         chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         self.read_options = ReadOptions.of(read_options)
         shorthand = {k: backend_options.pop(k) for k in _READ_KEYWORDS if k in backend_options}
+        default = ReadOptions()
+        twice = sorted(k for k in shorthand if getattr(self.read_options, k) != getattr(default, k))
+        if twice:
+            raise InvalidArgumentError(
+                f"{twice} given both as Store keywords and in read_options; give each once"
+            )
         if shorthand:
             self.read_options = dataclasses.replace(self.read_options, **shorthand)
         self.url = os.fspath(url) if url is not None else str(default_root())

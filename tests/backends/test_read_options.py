@@ -41,6 +41,10 @@ def test_store_owns_its_read_options(tmp_path: Path) -> None:
     assert y.Store(tmp_path).read_options == y.ReadOptions()
     store = y.Store(tmp_path, read_options={"whole_fraction": 0.5}, cache_bytes=0)
     assert store.read_options == y.ReadOptions(whole_fraction=0.5, cache_bytes=0)
+    with pytest.raises(InvalidArgumentError, match=r"\['cache_bytes'\] given both"):
+        y.Store(tmp_path, read_options={"cache_bytes": 5}, cache_bytes=0)
+    with pytest.raises(InvalidArgumentError, match="cache_dir must be a non-empty path"):
+        y.Store(tmp_path, cache_dir="")
     given = y.ReadOptions(horizon_chunks=2)
     assert y.Store(tmp_path, read_options=given).read_options is given
     assert y.ReadOptions().cache_path() == Path(tmp_path / "yogastore-home")  # conftest's home

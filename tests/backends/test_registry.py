@@ -14,7 +14,7 @@ import pytest
 
 import storage_backends
 import yogastore as y
-from storage_backends import ENTRY_POINT_GROUP, open_backend, register_backend
+from storage_backends import ENTRY_POINT_GROUP, Backend, open_backend, register_backend
 from storage_backends.contract import BackendContract
 from storage_backends.errors import InvalidArgumentError
 from storage_backends.lmdb_backend import LmdbBackend
@@ -61,6 +61,56 @@ def test_register_checks_the_schemes_a_class_declares(registry: dict[str, object
         open_backend("gs://bucket/x")
 
 
+class Abstract(Backend):
+    """Primitives missing."""
+
+    schemes = ("mem",)
+
+
+class StrSchemes(MemoryBackend):
+    schemes = "mem"  # type: ignore[assignment]
+
+
+class BadRemote(MemoryBackend):
+    remote = "no"  # type: ignore[assignment]
+
+
+class BadWorkers(MemoryBackend):
+    upload_workers = 0
+
+
+class ParallelSetLate(MemoryBackend):
+    """A capability set per instance (as S3 sets its own from options) is checked on open."""
+
+    def __init__(self, url: str, **options: object) -> None:
+        super().__init__(url)
+        self.max_parallel = -1
+
+
+class Uncoordinated(MemoryBackend):
+    coordinated = False
+
+
+def test_capabilities_set_by_the_constructor_are_checked(registry: dict[str, object]) -> None:
+    register_backend("mem", ParallelSetLate)
+    with pytest.raises(InvalidArgumentError, match="ParallelSetLate: max_parallel must be"):
+        open_backend("mem://late")
+
+
+def test_an_uncoordinated_backend_runs_no_work_queue(registry: dict[str, object]) -> None:
+    register_backend("mem", Uncoordinated)
+    backend = open_backend(f"mem://{uuid.uuid4().hex}")
+    assert backend.exclusive_puts_problem() == "Uncoordinated declares coordinated = False"
+    store = y.Store(backend.url)
+    spec = {"x": y.ComponentSpec(shape=(), dtype="int64")}
+    records = lambda: ({"x": np.int64(i)} for i in range(20))  # noqa: E731
+    ref = store.cache("d", "1", records, spec=spec, progress=y.NullProgress())
+    queue = ref.work_queue("j", num_slices=4)
+    with pytest.raises(y.CoordinationError, match="coordinated = False"):
+        queue.stream("w")
+    assert backend.list(".queues/") == []
+
+
 @pytest.mark.parametrize(
     ("scheme", "target", "match"),
     [
@@ -70,8 +120,25 @@ def test_register_checks_the_schemes_a_class_declares(registry: dict[str, object
         ("mem", "tests.backends.no_such_module:X", "cannot load"),
         ("mem", "tests.backends.memory_backend:Nothing", "cannot load"),
         ("mem", "pathlib:Path", "not a storage_backends.Backend"),
+        ("mem", "tests.backends.raising_module:X", "cannot load .*boom at import"),
+        ("mem", "tests.backends.test_registry:Abstract", r"does not implement \['_delete'"),
+        ("mem", "tests.backends.test_registry:StrSchemes", "schemes must be a tuple"),
+        ("mem", "tests.backends.test_registry:BadRemote", "remote must be True or False"),
+        ("mem", "tests.backends.test_registry:BadWorkers", "upload_workers must be an integer"),
     ],
-    ids=["upper", "with-slashes", "no-colon", "no-module", "no-class", "not-a-backend"],
+    ids=[
+        "upper",
+        "with-slashes",
+        "no-colon",
+        "no-module",
+        "no-class",
+        "not-a-backend",
+        "import-raises",
+        "abstract",
+        "str-schemes",
+        "remote-not-bool",
+        "workers-zero",
+    ],
 )
 def test_bad_registrations(
     registry: dict[str, object], scheme: str, target: object, match: str

@@ -109,21 +109,23 @@ def _check_name(value: Any, what: str) -> str:
 
 
 def check_exclusive_puts(backend: Backend) -> None:
-    """Refuse an object store that does not enforce ``If-None-Match`` (claims rest on it).
+    """Refuse a store whose exclusive puts are not exclusive (claims rest on them).
 
     Raises:
-        CoordinationError: the store ignores conditional writes.
+        CoordinationError: the backend reports a problem
+            (``Backend.exclusive_puts_problem``), e.g. an object store that
+            ignores ``If-None-Match``.
     """
-    verdict = backend.exclusive_puts_problem()
-    if verdict is not None:
+    problem = backend.exclusive_puts_problem()
+    if problem is not None:
         raise CoordinationError(
             errno.ENOTSUP,
-            f"refusing to claim work queue slices in {backend.url}: the store "
-            f"does not enforce conditional writes "
-            f"({verdict}), so two workers could claim the same slice and read it twice; "
-            "coordination='single-writer' does not make a queue safe (its workers all "
-            "write claims); use a store that enforces If-None-Match (AWS S3, MinIO), "
-            "a local store, or rank-sharded streams (DatasetRef.stream)",
+            f"refusing to claim work queue slices in {backend.url}: exclusive puts are not "
+            f"exclusive there ({problem}), so two workers could claim the same slice and "
+            "read it twice; use a store that keeps them exclusive (a local store; AWS S3 or "
+            "MinIO, which enforce If-None-Match; on S3 stores coordination='single-writer' "
+            "does not make a queue safe, its workers all write claims) or rank-sharded "
+            "streams (DatasetRef.stream)",
         )
 
 

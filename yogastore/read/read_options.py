@@ -71,9 +71,11 @@ class ReadOptions:
             _int_at_least(name, getattr(self, name), 1)
         if self.max_parallel is not None:
             _int_at_least("max_parallel", self.max_parallel, 1)
-        if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
+        if self.cache_dir is not None and (
+            not isinstance(self.cache_dir, str | os.PathLike) or not os.fspath(self.cache_dir)
+        ):
             raise InvalidArgumentError(
-                f"read option cache_dir must be a path or None, got {self.cache_dir!r}"
+                f"read option cache_dir must be a non-empty path or None, got {self.cache_dir!r}"
             )
         for name in ("overfetch", "whole_fraction"):
             value = getattr(self, name)

@@ -1,0 +1,3 @@
+"""A backend module that fails while being imported (a broken third-party package)."""
+
+raise RuntimeError("boom at import")
