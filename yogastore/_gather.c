@@ -14,6 +14,13 @@
  * split_bytes(data, offsets) returns the list of bytes objects
  * data[offsets[i] : offsets[i + 1]] (strings as Python objects, when asked for).
  *
+ * blocks_verified(chunks, starts, ends, base, size, slot, bits) returns whether
+ * every checksum block holding a byte of the ranges [starts[i], ends[i]) of
+ * chunks[i] has its bit set: block j of chunk c (bytes base[c] + j * size[c]
+ * onwards) is bit slot[c] + j of bits (LSB first). Empty ranges hold no block.
+ * Any index out of range answers False (the numpy path then decides, and
+ * raises); yogastore.read.verified.verify_blocks is its definition.
+ *
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
  * permutation of yogastore.read.order.FeistelPermutation (same rounds, same words,
  * same cycle walking) on int64 values in [0, n), writing int64 images to out.
@@ -354,6 +361,67 @@ done:
     return result;
 }
 
+static PyObject *blocks_verified(PyObject *module, PyObject *args) {
+    Py_buffer chunks, starts, ends, base, size, slot, bits;
+    PyObject *result = NULL;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*", &chunks, &starts, &ends, &base, &size, &slot,
+                          &bits)) {
+        return NULL;
+    }
+    if (chunks.len % (Py_ssize_t)sizeof(int64_t) != 0 || starts.len != chunks.len ||
+        ends.len != chunks.len || base.len % (Py_ssize_t)sizeof(int64_t) != 0 ||
+        size.len != base.len || slot.len != base.len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "chunks, starts, ends (and base, size, slot) must be int64 buffers of "
+                        "one size");
+        goto done;
+    }
+    {
+        const Py_ssize_t n = chunks.len / (Py_ssize_t)sizeof(int64_t);
+        const int64_t num_chunks = (int64_t)(base.len / (Py_ssize_t)sizeof(int64_t));
+        const int64_t num_bits = (int64_t)bits.len * 8;
+        const int64_t *c = (const int64_t *)chunks.buf, *s = (const int64_t *)starts.buf;
+        const int64_t *e = (const int64_t *)ends.buf, *b = (const int64_t *)base.buf;
+        const int64_t *z = (const int64_t *)size.buf, *o = (const int64_t *)slot.buf;
+        const unsigned char *m = (const unsigned char *)bits.buf;
+        int ok = 1;
+        for (Py_ssize_t i = 0; i < n && ok; i++) {
+            const int64_t k = c[i], lo = s[i], hi = e[i];
+            if (hi <= lo) {
+                continue;
+            }
+            if (k < 0 || k >= num_chunks || z[k] <= 0 || o[k] < 0 || lo < b[k]) {
+                ok = 0;
+                break;
+            }
+            const int64_t first = o[k] + (lo - b[k]) / z[k];
+            const int64_t last = o[k] + (hi - 1 - b[k]) / z[k];
+            if (last >= num_bits) {
+                ok = 0;
+                break;
+            }
+            for (int64_t j = first; j <= last; j++) {
+                if (!(m[j >> 3] & (1u << (j & 7)))) {
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        result = PyBool_FromLong(ok);
+    }
+done:
+    PyBuffer_Release(&chunks);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&ends);
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&size);
+    PyBuffer_Release(&slot);
+    PyBuffer_Release(&bits);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", gather_rows, METH_VARARGS,
      "gather_rows(dst, src, starts, row_bytes): copy rows src[starts[i]:+row_bytes] "
@@ -363,6 +431,9 @@ static PyMethodDef methods[] = {
      "dst, in order; every range is checked on the read the copy uses (without the GIL)."},
     {"split_bytes", split_bytes, METH_VARARGS,
      "split_bytes(data, offsets) -> list[bytes]: data[offsets[i]:offsets[i + 1]] for each i."},
+    {"blocks_verified", blocks_verified, METH_VARARGS,
+     "blocks_verified(chunks, starts, ends, base, size, slot, bits) -> bool: whether every "
+     "checksum block of the byte ranges has its bit set (yogastore.read.verified)."},
     {"feistel", feistel, METH_VARARGS,
      "feistel(out, values, keys, high_bits, low_bits, wide, n): keyed permutation of "
      "int64 values in [0, n) into out (see yogastore.read.order.FeistelPermutation)."},
@@ -371,8 +442,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "yogastore._gather",
-    "Compiled loops of the read path: row and range gathers (yogastore.format.memory) and "
-    "the shuffled order (yogastore.read.order.FeistelPermutation).", -1, methods,
+    "Compiled loops of the read path: row and range gathers (yogastore.format.memory), "
+    "verified-block lookups (yogastore.read.verified) and the shuffled order (yogastore.read.order.FeistelPermutation).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module_def); }

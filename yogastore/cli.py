@@ -69,7 +69,7 @@ def _verify(store: Store, dataset_id: str, version: str) -> int:
         where = f"{ref.manifest.where} chunk {i} ({info.key})"
         try:
             data = store.backend.get(info.key)
-            verify_chunk(store.backend.url, ref.manifest, i, data, memo=False)
+            verify_chunk(ref.manifest, i, data)
             ChunkView(data, columns, info.count, where)
         except KeyNotFoundError:
             damaged += 1

@@ -770,7 +770,7 @@ class Store:
             for i, info in enumerate(ref.manifest.chunks):
                 data = bytes(self.backend.get(info.key))
                 try:
-                    verify_chunk(self.backend.url, ref.manifest, i, data, memo=False)
+                    verify_chunk(ref.manifest, i, data)
                 except CorruptCacheError as err:
                     raise CorruptCacheError(f"copying from {self.url}: {err}") from err
                 to.backend.put(info.key, data)

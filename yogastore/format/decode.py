@@ -79,6 +79,7 @@ class _ColumnView:
     shapes: np.ndarray | None = None  # [k, ndim] when some dim is unknown
     offsets: np.ndarray | None = None  # [k + 1] elements (var) / strings (bytes)
     boffsets: np.ndarray | None = None  # [n + 1] bytes per string
+    data_at: int = 0  # offset of the data region in the chunk
     address: int = dataclasses.field(init=False, default=0)  # of data's first byte
 
     def __post_init__(self) -> None:
@@ -146,12 +147,13 @@ class ChunkView:
     ) -> _ColumnView:
         k = self.count
         bad = f"{self.where}: column {i} ({spec.layout} {spec.dtype})"
+        at = int(regions["data"][0]) if "data" in regions else 0
         if spec.layout == "fixed":
             data = self._region(buf, regions, "data", spec.np_dtype, i)
             per = int(np.prod(dims_or_zero(spec), dtype=np.int64))
             if data.size != k * per:
                 raise CorruptCacheError(f"{bad}: {data.size} values, expected {k * per}")
-            return _ColumnView(spec, data.reshape(k, *dims_or_zero(spec)))
+            return _ColumnView(spec, data.reshape(k, *dims_or_zero(spec)), data_at=at)
         offsets = self._region(buf, regions, "offsets", I64, i)
         if offsets.size != k + 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
             raise CorruptCacheError(
@@ -180,7 +182,7 @@ class ChunkView:
                 raise CorruptCacheError(
                     f"{bad}: offsets end at {offsets[-1]}, data has {data.size}"
                 )
-            return _ColumnView(spec, data, shapes, offsets)
+            return _ColumnView(spec, data, shapes, offsets, data_at=at)
         boffsets = self._region(buf, regions, "boffsets", I64, i)
         data = self._region(buf, regions, "data", np.uint8, i)
         if (
@@ -190,4 +192,4 @@ class ChunkView:
             or (boffsets.size and boffsets[-1] != data.size)
         ):
             raise CorruptCacheError(f"{bad}: string offsets are inconsistent with the data")
-        return _ColumnView(spec, data, shapes, offsets, boffsets)
+        return _ColumnView(spec, data, shapes, offsets, boffsets, data_at=at)

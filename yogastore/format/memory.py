@@ -11,6 +11,9 @@ Invariants (the memory tricks of the read path live here and only here:
   ``ChunkView`` validated and every gather checks again against the chunk's
   own sizes before copying; the compiled copies check every range against the
   span as well. The object holding a span keeps every spanned array alive.
+* ``record_ranges`` (the byte ranges a record occupies, for verification
+  and ranged fetches) reads record and string offsets through the same spans
+  and bounds-checks them as the gathers do; it copies no values.
 * ``BufferPool`` hands a buffer out again only when the pool's own reference
   is the last one: any view of a batch a caller (or TensorFlow) keeps pins it.
 * No per-record Python work: a batch of one column is a handful of numpy
@@ -41,9 +44,11 @@ __all__ = [
     "BufferPool",
     "FixedRows",
     "VarRows",
+    "column_rows",
     "copy_ranges",
     "copy_rows",
     "gather_views",
+    "record_ranges",
 ]
 
 
@@ -211,6 +216,7 @@ class FixedRows:
         self._known = np.array(spec.shape, dtype=np.int64)
         self._shapes = np.broadcast_to(self._known, (0, spec.ndim))  # last batch's, reused
         self._addresses = np.zeros(num_chunks, dtype=np.int64)
+        self._data_at = np.zeros(num_chunks, dtype=np.int64)  # data region's offset in its chunk
         self._arrays: list[np.ndarray] = []
         self._lowest: np.ndarray | None = None
         self._end = 0
@@ -224,6 +230,7 @@ class FixedRows:
         col = view.columns[column]
         with self._lock:
             self._addresses[chunk] = col.address
+            self._data_at[chunk] = col.data_at
             if col.data.nbytes == 0 or self._row == 0:
                 return
             self._arrays.append(col.data)
@@ -240,6 +247,11 @@ class FixedRows:
                 rows, shape=(self._end - start,), strides=(1,), writeable=False
             )
             self._span = (rows, start, flat)
+
+    def ranges(self, chunks: IntArray, local: IntArray) -> tuple[IntArray, IntArray]:
+        """Return the byte ranges ``[start, end)`` within their chunks of the records' values."""
+        starts = self._data_at[chunks] + local * self._row
+        return starts, starts + self._row
 
     def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
         """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
@@ -294,6 +306,7 @@ class VarRows:
         self._shape_rows = np.zeros(num_chunks, dtype=np.int64)
         self._boffsets = np.zeros(num_chunks, dtype=np.int64)
         self._data = np.zeros(num_chunks, dtype=np.int64)
+        self._data_at = np.zeros(num_chunks, dtype=np.int64)  # data region's offset in its chunk
         self._items = np.zeros(num_chunks, dtype=np.int64)  # values (var) / strings (bytes)
         self._nbytes = np.zeros(num_chunks, dtype=np.int64)  # data bytes
         self._added = np.zeros(num_chunks, dtype=bool)
@@ -322,6 +335,7 @@ class VarRows:
             else:
                 self._items[chunk] = col.data.size
             self._data[chunk] = col.address
+            self._data_at[chunk] = col.data_at
             self._nbytes[chunk] = col.data.nbytes
             self._where[chunk] = view.where
             grown = False
@@ -363,6 +377,54 @@ class VarRows:
         copy_rows(out, flat, self._shape_rows[chunks] - low + local * (8 * ndim), 8 * ndim)
         return out
 
+    def _bounds(
+        self, flat: np.ndarray, low: int, chunks: IntArray, local: IntArray
+    ) -> tuple[IntArray, IntArray]:
+        """Return each record's first and last value (var) or string (bytes), bounds-checked."""
+        pairs = np.empty((len(local), 2), dtype=np.int64)
+        copy_rows(pairs, flat, self._offsets[chunks] - low + local * 8, 16)
+        first, last = pairs[:, 0], pairs[:, 1]
+        bad = (first < 0) | (last < first) | (last > self._items[chunks])
+        if bad.any():
+            raise self._corrupt(chunks, bad, "record offsets out of bounds")
+        return first, last
+
+    def ranges(self, chunks: IntArray, local: IntArray) -> tuple[IntArray, IntArray]:
+        """Return the byte ranges ``[start, end)`` within their chunks of the records' values.
+
+        Strings: from the first byte of a record's first string to the end of
+        its last one (a record's strings lie back to back).
+        """
+        n = len(local)
+        span = self._span
+        if n and not self._added[chunks].all():
+            raise RuntimeError("VarRows.ranges: a chunk of the batch was never added")
+        at = self._data_at[chunks]
+        if n == 0 or span is None:
+            return at, at.copy()
+        flat, low = span
+        try:
+            first, last = self._bounds(flat, low, chunks, local)
+            if not self._strings:
+                return at + first * self._item, at + last * self._item
+            # Records without strings read no string offsets: their ranges are empty.
+            some = (last > first).nonzero()[0]
+            begin, end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            if len(some):
+                base = self._boffsets[chunks[some]] - low
+                found = np.empty((2, len(some)), dtype=np.int64)
+                copy_rows(found[0], flat, base + first[some] * 8, 8)
+                copy_rows(found[1], flat, base + last[some] * 8, 8)
+                begin[some], end[some] = found
+                bad = (begin < 0) | (end < begin) | (end > self._nbytes[chunks])
+                if bad.any():
+                    raise self._corrupt(chunks, bad, "string offsets out of bounds")
+        except IndexError as err:  # a range outside the span: offsets changed under us
+            raise CorruptCacheError(
+                f"{self._where.get(int(chunks[0]), 'chunk')}: {err}; the cache is corrupted"
+            ) from err
+        return at + begin, at + end
+
     def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
         """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
         n = len(local)
@@ -373,13 +435,8 @@ class VarRows:
             return _empty_batch(self.spec, n)
         flat, low = span
         try:
-            pairs = np.empty((n, 2), dtype=np.int64)
-            copy_rows(pairs, flat, self._offsets[chunks] - low + local * 8, 16)
-            first, last = pairs[:, 0], pairs[:, 1]
+            first, last = self._bounds(flat, low, chunks, local)
             counts = last - first
-            bad = (first < 0) | (counts < 0) | (last > self._items[chunks])
-            if bad.any():
-                raise self._corrupt(chunks, bad, "record offsets out of bounds")
             shapes = self._record_shapes(flat, low, chunks, local)
             offsets = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(counts, out=offsets[1:])
@@ -444,6 +501,41 @@ def _empty_batch(spec: ColumnSpec, n: int) -> ColumnBatch:
 
 
 _SHARED_POOL = BufferPool()
+
+
+def column_rows(
+    columns: Sequence[ColumnSpec], num_chunks: int, pool: BufferPool | None = None
+) -> list[FixedRows | VarRows]:
+    """Return one gatherer per column, for ``num_chunks`` chunks."""
+    return [
+        FixedRows(spec, num_chunks, pool)
+        if spec.layout == "fixed"
+        else VarRows(spec, num_chunks, pool)
+        for spec in columns
+    ]
+
+
+def record_ranges(
+    rows: Sequence[FixedRows | VarRows], chunks: IntArray, local: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """Return where the values of records ``local[j]`` of chunk ``chunks[j]`` lie, in every column.
+
+    The one rule for which bytes of a chunk a record occupies (local reads
+    verify those blocks, remote reads fetch them): fixed columns a row of the
+    data region, ``var`` columns the values between two record offsets,
+    ``bytes`` columns the bytes of the record's strings. Empty ranges are kept.
+
+    Returns:
+        (chunk, start, end) per record and column, column after column;
+        offsets within the chunk.
+    """
+    if not rows:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    parts = [r.ranges(chunks, local) for r in rows]
+    starts = np.concatenate([p[0] for p in parts])
+    ends = np.concatenate([p[1] for p in parts])
+    return np.tile(chunks, len(rows)), starts, ends
 
 
 def gather_views(

@@ -1,10 +1,14 @@
 """Fetching chunks and gathering records: order-agnostic, TensorFlow-free.
 
 A ``ChunkSource`` turns an array of record indices into one ``ColumnBatch``
-per column. The local source maps whole chunks zero-copy (LMDB memory map),
-verifies each chunk's checksum the first time this process touches it and then
-gathers each column across all chunks with one compiled copy
+per column. The local source maps whole chunks zero-copy (LMDB memory map) and
+verifies what it reads (``yogastore.read.verified``): a chunk's length and
+index the first time this process views it, then the data blocks holding the
+records of each batch, each block once per process, before anything is
+copied. It then gathers each column across all chunks with one compiled copy
 (``yogastore.format.memory``): rows for fixed shapes, byte ranges for the others.
+Whole chunks are verified by ``verify_chunk`` (``yogastore verify``,
+``Store.copy``, whole fetches of remote reads).
 """
 
 from __future__ import annotations
@@ -23,32 +27,36 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from yogastore.arrays import IntArray
-from yogastore.format import ChunkView, ColumnBatch
+from yogastore.format import ChunkView, ColumnBatch, parse_header
+from yogastore.format.blocks import BlockSums
 from yogastore.format.manifest import Manifest, checksum
-from yogastore.format.memory import FixedRows, VarRows
+from yogastore.format.memory import column_rows, record_ranges
+from yogastore.read.verified import block_memo, check_regions, verify_blocks
 
 __all__ = [
     "ChunkSource",
     "LocalChunkSource",
     "ReadStats",
+    "check_length",
     "locate",
     "uniform_chunk_size",
     "verify_chunk",
 ]
 
 
-# Chunks whose checksum this process has verified: (backend url, key, checksum).
-_VERIFIED: set[tuple[str, str, str]] = set()
-_VERIFIED_LOCK = threading.Lock()
-
-
 @dataclasses.dataclass(slots=True)
 class ReadStats:
-    """Counters of one stream's reads."""
+    """Counters of one stream's reads.
+
+    ``bytes_verified`` counts the bytes this source hashed to check them:
+    chunk indexes, data blocks and whole chunks; ``chunks_verified`` the whole
+    chunks among them.
+    """
 
     records: int = 0
     batches: int = 0
     bytes_fetched: int = 0
+    bytes_verified: int = 0
     requests: int = 0
     chunks_verified: int = 0
     cache_hits: int = 0
@@ -124,51 +132,32 @@ def missing_chunk_error(backend: Backend, manifest: Manifest, where: str) -> Yog
     )
 
 
-def verify_chunk(
-    url: str, manifest: Manifest, chunk: int, data: bytes | memoryview, *, memo: bool = True
-) -> bool:
-    """Check one chunk's bytes against the manifest: their length and checksum.
+def check_length(manifest: Manifest, chunk: int, data: bytes | memoryview) -> None:
+    """Check that a chunk's bytes are as many as the manifest records."""
+    info = manifest.chunks[chunk]
+    if len(data) != info.nbytes:
+        raise CorruptCacheError(
+            f"{manifest.where} chunk {chunk} ({info.key}): {len(data)} bytes, "
+            f"manifest says {info.nbytes}; delete and rebuild this version"
+        )
 
-    The one check of whole chunks, and its one memo: chunks of a backend whose
-    bytes stay put for the life of the process (a memory-mapped local store)
-    are checked the first time this process reads them, not on every read.
 
-    Args:
-        url: the backend's URL (with the chunk key and checksum, the memo's key).
-        manifest: the version the chunk belongs to.
-        chunk: the chunk's index in the manifest.
-        data: the chunk's bytes.
-        memo: skip a chunk this process already verified, and remember this
-            one; ``False`` for bytes just fetched or when every chunk must be
-            checked (``yogastore verify``): the memo is then neither read nor
-            written.
+def verify_chunk(manifest: Manifest, chunk: int, data: bytes | memoryview) -> None:
+    """Check one whole chunk's bytes against the manifest: their length and checksum.
 
-    Returns:
-        Whether the bytes were checked now (``False``: verified before).
+    The one check of whole chunks: ``yogastore verify``, ``Store.copy`` and
+    whole fetches of remote reads (local reads check blocks instead).
 
     Raises:
         CorruptCacheError: wrong length or checksum mismatch.
     """
     info = manifest.chunks[chunk]
-    token = (url, info.key, info.checksum)
-    if memo:
-        with _VERIFIED_LOCK:
-            if token in _VERIFIED:
-                return False
-    if len(data) != info.nbytes:
-        raise CorruptCacheError(
-            f"{manifest.where} chunk {chunk} ({info.key}): {len(data)} bytes, "
-            f"manifest says {info.nbytes}"
-        )
+    check_length(manifest, chunk, data)
     if checksum(data) != info.checksum:
         raise CorruptCacheError(
             f"{manifest.where} chunk {chunk} ({info.key}): checksum mismatch; the cache is "
             "corrupted, delete and rebuild this version"
         )
-    if memo:
-        with _VERIFIED_LOCK:
-            _VERIFIED.add(token)
-    return True
 
 
 class LocalChunkSource:
@@ -182,43 +171,65 @@ class LocalChunkSource:
         self._starts = manifest.chunk_starts()
         self._uniform = uniform_chunk_size(manifest)
         self._views: dict[int, ChunkView] = {}
+        self._data: dict[int, memoryview] = {}
+        self._sums: dict[int, BlockSums] = {}
         self._lock = threading.Lock()
         # Every column gathers across chunks with one compiled copy.
         num_chunks = len(manifest.chunks)
-        self._rows: dict[int, FixedRows | VarRows] = {
-            i: FixedRows(spec, num_chunks) if spec.layout == "fixed" else VarRows(spec, num_chunks)
-            for i, spec in enumerate(self._columns)
-        }
+        self._rows = column_rows(self._columns, num_chunks)
         self._loaded = np.zeros(num_chunks, dtype=bool)
         self._all_loaded = num_chunks == 0
+        self._memo = block_memo(backend.url, manifest)
+        self._checksums = [c.checksum for c in manifest.chunks]
         # Any key of the version names the file its views map.
         self._mapped_key = manifest.key
 
     def view(self, chunk: int) -> ChunkView:
-        """Return the validated view of one chunk."""
+        """Return the view of one chunk, its length and index verified."""
         view = self._views.get(chunk)
         if view is not None:
             return view
         info = self.manifest.chunks[chunk]
         where = f"{self.manifest.where} chunk {chunk} ({info.key})"
         try:
-            data = self.backend.get(info.key)
+            data = memoryview(self.backend.get(info.key)).cast("B")
         except KeyNotFoundError as err:
             raise missing_chunk_error(self.backend, self.manifest, where) from err
-        verified = verify_chunk(self.backend.url, self.manifest, chunk, data)
-        view = ChunkView(data, self._columns, info.count, where)
+        check_length(self.manifest, chunk, data)
+        hashed = 0
+        index = data[: info.index_bytes]
+        if not self._memo.index_verified(chunk):
+            # Before parsing: nothing read from an index is trusted unchecked.
+            if checksum(index) != info.index_checksum:
+                raise CorruptCacheError(
+                    f"{where}: index (bytes [0, {info.index_bytes})) fails its checksum; the "
+                    "cache is corrupted, delete and rebuild this version"
+                )
+            hashed = info.index_bytes
+        header = parse_header(index, info.nbytes, where)
+        if header.get("index_end") != info.index_bytes:
+            raise CorruptCacheError(
+                f"{where}: chunk index ends at {header.get('index_end')!r}, manifest says "
+                f"{info.index_bytes}; delete and rebuild this version"
+            )
+        sums = BlockSums.from_header(header, index, info.nbytes, where)
+        view = ChunkView(data, self._columns, info.count, where, header)
+        check_regions(view, sums)
+        self._memo.add_chunk(chunk, sums)
         with self._lock:
             known = self._views.get(chunk)
             if known is not None:  # another thread was first
                 return known
-            for i, rows in self._rows.items():
+            for i, rows in enumerate(self._rows):
                 rows.add(chunk, view, i)
+            self._data[chunk] = data
+            self._sums[chunk] = sums
             self._views[chunk] = view
             self._loaded[chunk] = True
             self._all_loaded = len(self._views) == len(self._loaded)
             self.stats.requests += 1
             self.stats.bytes_fetched += len(data)
-            self.stats.chunks_verified += int(verified)
+            self.stats.bytes_verified += hashed
         return view
 
     def gather(self, records: IntArray) -> list[ColumnBatch]:
@@ -229,11 +240,28 @@ class LocalChunkSource:
         if not self._all_loaded:
             for c in np.unique(which[~self._loaded[which]]):
                 self.view(int(c))
-        out = [self._rows[i].gather(which, local) for i in range(len(self._columns))]
+        memo = self._memo
+        if not memo.all_complete:
+            pending = ~memo.complete[which]
+            if pending.all():
+                self._verify(which, local)
+            elif pending.any():
+                self._verify(which[pending], local[pending])
+        out = [rows.gather(which, local) for rows in self._rows]
         with self._lock:
             self.stats.records += len(records)
             self.stats.batches += 1
         return out
+
+    def _verify(self, which: IntArray, local: IntArray) -> None:
+        """Check the blocks holding these records' bytes, in every column (before any copy)."""
+        chunks, starts, ends = record_ranges(self._rows, which, local)
+        hashed = verify_blocks(
+            self._memo, chunks, starts, ends, self._sums, self._data, self._checksums
+        )
+        if hashed:
+            with self._lock:
+                self.stats.bytes_verified += hashed
 
     def close(self) -> None:
         self._views.clear()

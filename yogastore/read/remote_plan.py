@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from yogastore.arrays import BoolArray, IntArray
 from yogastore.format import ChunkView, ColumnSpec
 from yogastore.format.blocks import BlockSums
 from yogastore.format.manifest import ChunkInfo
+from yogastore.format.memory import BufferPool, column_rows, record_ranges
 from yogastore.read.diskcache import Piece
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
 Range = tuple[int, int]  # [start, end) byte offsets within one chunk
 
 _WHOLE_GAP = 4096  # holes this close are fetched together when completing a chunk
+_RANGES_POOL = BufferPool(max_buffers=0)  # range lookups gather nothing
 
 
 def cover(a: int, b: int, pieces: Sequence[Piece]) -> tuple[list[Piece], list[Range]]:
@@ -118,33 +119,13 @@ class ChunkState:
         self, records: IntArray, columns: Sequence[ColumnSpec]
     ) -> tuple[IntArray, IntArray]:
         """Return the data byte ranges (starts, ends) of ``records`` in every column."""
-        if self.view is None or self.header is None:  # pragma: no cover - index loaded first
+        if self.view is None:  # pragma: no cover - index loaded first
             raise CorruptCacheError(f"chunk {self.info.key}: index not loaded")
-        starts: list[IntArray] = []
-        ends: list[IntArray] = []
-        for i, (spec, col) in enumerate(zip(columns, self.view.columns, strict=True)):
-            base = int(self.header["cols"][i]["data"][0])
-            if spec.layout == "fixed":
-                row = spec.np_dtype.itemsize * math.prod(d or 0 for d in spec.shape)
-                s = base + records * row
-                e = s + row
-            elif col.offsets is None:  # pragma: no cover - var/bytes always have offsets
-                raise CorruptCacheError(f"chunk {self.info.key}: column {i} lacks offsets")
-            elif spec.layout == "var":
-                size = spec.np_dtype.itemsize
-                s = base + col.offsets[records] * size
-                e = base + col.offsets[records + 1] * size
-            else:
-                if col.boffsets is None:  # pragma: no cover
-                    raise CorruptCacheError(f"chunk {self.info.key}: column {i} lacks boffsets")
-                s = base + col.boffsets[col.offsets[records]]
-                e = base + col.boffsets[col.offsets[records + 1]]
-            starts.append(np.asarray(s, dtype=np.int64))
-            ends.append(np.asarray(e, dtype=np.int64))
-        if not starts:
-            empty = np.empty(0, dtype=np.int64)
-            return empty, empty
-        return np.concatenate(starts), np.concatenate(ends)
+        rows = column_rows(columns, 1, _RANGES_POOL)
+        for i, r in enumerate(rows):
+            r.add(0, self.view, i)
+        _chunks, starts, ends = record_ranges(rows, np.zeros(len(records), np.int64), records)
+        return starts, ends
 
 
 @dataclasses.dataclass(eq=False, slots=True)

@@ -1,0 +1,265 @@
+"""Which bytes of a local dataset version this process has checked: indexes and data blocks.
+
+A local read verifies what it reads, not whole chunks: on its first view of a
+chunk, the chunk's length and its index (``index_checksum`` of the manifest
+over ``[0, index_bytes)``, which covers the block checksum table,
+``yogastore.format.blocks``); then, per batch, the data blocks holding the
+bytes of the records gathered, each block once per process. A rank of a
+global shuffle thus hashes about its share of the data, not every chunk.
+
+Rules this module keeps:
+
+* One memo per (backend URL, version, build) and process, shared by every
+  source reading that version: a block is marked only after its bytes matched
+  their digest; a chunk's blocks get their bits when its index is verified.
+* The bits live in one bit-packed array for the version, each chunk a slot of
+  ``nblocks`` bits assigned at its first view, so a batch's blocks across all
+  its chunks are looked up with a handful of numpy operations; memory grows
+  with the chunks viewed (an eighth of a byte per block) plus a few integers
+  per chunk of the version.
+* Ranges never leave the blocks: ``check_regions`` keeps every data region
+  of a chunk inside its checksummed data area (``parse_header`` and
+  ``ChunkView`` keep offsets inside their regions), once per chunk view.
+* A batch needing a quarter or more of a chunk's blocks hashes the chunk
+  whole (one call beats hundreds for tiny records, whose batches touch most
+  blocks); a mismatch there falls back to block by block.
+* A chunk whose blocks are all verified is *complete*; a batch of complete
+  chunks costs one lookup, and a version all of whose chunks are complete
+  costs nothing. A batch whose blocks were all verified before, in chunks
+  not complete, costs one compiled call (``_gather.blocks_verified``; the
+  numpy path of ``verify_blocks`` is its definition).
+* Fork: a child inherits the memo (the bytes it marks are those of the same
+  committed build, named by its chunk keys) with fresh locks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from storage_backends.errors import CorruptCacheError
+from yogastore.arrays import IntArray
+from yogastore.format import ChunkView
+from yogastore.format.blocks import BlockSums
+from yogastore.format.manifest import Manifest, checksum
+
+try:  # the compiled lookup; without it the numpy path answers every batch
+    from yogastore import _gather
+except ImportError:  # pragma: no cover - the package builds it on install
+    _gather = None  # type: ignore[assignment]
+
+__all__ = ["BlockMemo", "block_memo", "check_regions", "verify_blocks"]
+
+_WHOLE_SHARE = 4  # a quarter of a chunk's blocks at once: one hash of the whole chunk
+_BIT = np.left_shift(np.uint8(1), np.arange(8, dtype=np.uint8))
+
+
+class BlockMemo:
+    """The verified indexes and data blocks of one dataset version in this process.
+
+    Args:
+        num_chunks: chunks of the version.
+    """
+
+    def __init__(self, num_chunks: int) -> None:
+        self.lock = threading.Lock()
+        self.slot = np.full(num_chunks, -1, dtype=np.int64)  # first bit; -1: index unchecked
+        self.base = np.zeros(num_chunks, dtype=np.int64)  # data area start
+        self.size = np.ones(num_chunks, dtype=np.int64)  # block size
+        self.nblocks = np.zeros(num_chunks, dtype=np.int64)
+        self.done = np.zeros(num_chunks, dtype=np.int64)  # blocks verified
+        self.complete = np.zeros(num_chunks, dtype=bool)
+        self.all_complete = num_chunks == 0
+        self._completed = 0
+        self._bits = np.zeros(0, dtype=np.uint8)
+        self._used = 0
+
+    def index_verified(self, chunk: int) -> bool:
+        return bool(self.slot[chunk] >= 0)
+
+    def add_chunk(self, chunk: int, sums: BlockSums) -> None:
+        """Record that ``chunk``'s index was verified; give its blocks their bits."""
+        with self.lock:
+            if self.slot[chunk] >= 0:
+                return
+            n = len(sums.sums)
+            need = -(-(self._used + n) // 8)
+            if need > len(self._bits):
+                grown = np.zeros(max(need, 2 * len(self._bits)), dtype=np.uint8)
+                grown[: len(self._bits)] = self._bits
+                self._bits = grown
+            self.base[chunk], self.size[chunk] = sums.base, sums.size
+            self.nblocks[chunk] = n
+            self.slot[chunk] = self._used
+            self._used += n
+            if n == 0:
+                self._complete(np.array([chunk], dtype=np.int64))
+
+    def _complete(self, chunks: IntArray) -> None:
+        fresh = chunks[~self.complete[chunks]]
+        self.complete[fresh] = True
+        self._completed += len(fresh)
+        self.all_complete = self._completed == len(self.complete)
+
+    def unverified(self, ids: IntArray) -> npt.NDArray[np.bool_]:
+        """Return, per block id (a chunk's slot plus its block number), whether it is unchecked."""
+        with self.lock:
+            bits = self._bits[ids >> 3]
+        unset: npt.NDArray[np.bool_] = (bits & _BIT[ids & 7]) == 0
+        return unset
+
+    def covers(self, chunks: IntArray, starts: IntArray, ends: IntArray) -> bool:
+        """Whether every block of the byte ranges is verified (compiled; ``False`` without it).
+
+        The steady state of a rank that reads only part of each chunk: one call
+        instead of the numpy path of ``verify_blocks``, which defines the answer.
+        """
+        if _gather is None:  # pragma: no cover - the package builds it on install
+            return False
+        with self.lock:
+            return _gather.blocks_verified(
+                chunks, starts, ends, self.base, self.size, self.slot, self._bits
+            )
+
+    def mark(self, ids: IntArray, chunks: IntArray) -> None:
+        """Mark distinct blocks ``ids`` (of chunks ``chunks``) as verified."""
+        with self.lock:
+            fresh = (self._bits[ids >> 3] & _BIT[ids & 7]) == 0
+            ids, chunks = ids[fresh], chunks[fresh]
+            np.bitwise_or.at(self._bits, ids >> 3, _BIT[ids & 7])
+            np.add.at(self.done, chunks, 1)
+            touched = np.unique(chunks)
+            self._complete(touched[self.done[touched] == self.nblocks[touched]])
+
+
+# One memo per version and process; see the module's rules.
+_MEMOS: dict[tuple[str, str, str], BlockMemo] = {}
+_MEMOS_LOCK = threading.Lock()
+
+
+def block_memo(url: str, manifest: Manifest) -> BlockMemo:
+    """Return this process's memo of the version ``manifest`` names in the store at ``url``."""
+    token = (url, manifest.key, manifest.build_id)
+    with _MEMOS_LOCK:
+        memo = _MEMOS.get(token)
+        if memo is None:
+            memo = _MEMOS[token] = BlockMemo(len(manifest.chunks))
+        return memo
+
+
+def _after_fork() -> None:
+    global _MEMOS_LOCK
+    _MEMOS_LOCK = threading.Lock()
+    for memo in _MEMOS.values():
+        memo.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def check_regions(view: ChunkView, sums: BlockSums) -> None:
+    """Check that every data region of a chunk lies in its data area (what blocks cover).
+
+    ``parse_header`` and ``ChunkView`` keep regions and offsets inside the
+    chunk; this keeps every record range a batch verifies inside the blocks,
+    so that ``verify_blocks`` need not check ranges one by one.
+    """
+    for i, col in enumerate(view.columns):
+        if col.data.nbytes and col.data_at < sums.base:
+            raise CorruptCacheError(
+                f"{sums.where}: column {i}'s data starts at byte {col.data_at}, before the "
+                f"checksummed data area [{sums.base}, {sums.total}); the cache is corrupted, "
+                "delete and rebuild this version"
+            )
+
+
+def verify_blocks(
+    memo: BlockMemo,
+    chunks: IntArray,
+    starts: IntArray,
+    ends: IntArray,
+    sums: dict[int, BlockSums],
+    data: dict[int, memoryview],
+    checksums: Sequence[str],
+) -> int:
+    """Check the blocks holding byte ranges ``[starts, ends)`` of ``chunks`` not checked yet.
+
+    A chunk of which at least ``1/_WHOLE_SHARE`` of the blocks are to be
+    checked at once (tiny records: a batch touches most blocks) is checked
+    whole against its manifest checksum instead, one hash being cheaper than
+    many; if that fails, its blocks are checked one by one, so only damage
+    in what is read stops the read and the error names the block.
+
+    Args:
+        memo: the version's memo; every chunk's index verified (``add_chunk``)
+            and its regions checked (``check_regions``).
+        chunks: the chunk of each byte range.
+        starts: where each range starts, within its chunk's data regions.
+        ends: where each range ends.
+        sums: each chunk's block table.
+        data: each chunk's bytes.
+        checksums: every chunk's checksum, as the manifest records it.
+
+    Returns:
+        The bytes hashed (0 when every block was checked before).
+
+    Raises:
+        CorruptCacheError: a block whose digest differs from its table, named
+            by chunk, block and bytes.
+    """
+    if not len(chunks) or memo.covers(chunks, starts, ends):
+        return 0
+    base, size = memo.base[chunks], memo.size[chunks]
+    first = (starts - base) // size
+    # Blocks per range; an empty range has none, wherever it points.
+    counts = ((ends - 1 - base) // size - first + 1) * (ends > starts)
+    # Every block of every range: ids are slot + block number.
+    at = memo.slot[chunks] + first
+    total = int(counts.sum())
+    ids = np.repeat(at - np.cumsum(counts) + counts, counts) + np.arange(total, dtype=np.int64)
+    todo = memo.unverified(ids)
+    if not todo.any():
+        return 0
+    owners = np.repeat(chunks, counts)
+    ids, where = np.unique(ids[todo], return_index=True)
+    owners = owners[todo][where]
+    # Ids sort by slot, so each chunk's blocks are one run.
+    cuts = np.flatnonzero(np.diff(owners)) + 1
+    runs = owners[np.concatenate([[0], cuts])]
+    hashed = 0
+    marks: list[IntArray] = []
+    for chunk, run in zip(runs.tolist(), np.split(ids, cuts), strict=True):
+        table, view = sums[chunk], data[chunk]
+        slot = int(memo.slot[chunk])
+        if len(run) * _WHOLE_SHARE >= len(table.sums) and checksum(view) == checksums[chunk]:
+            hashed += len(view)
+            marks.append(slot + np.arange(len(table.sums), dtype=np.int64))
+            continue
+        hashed += _check_run(table, view, run - slot)
+        marks.append(run)
+    marked = np.concatenate(marks)
+    memo.mark(marked, np.repeat(runs, [len(m) for m in marks]))
+    return hashed
+
+
+def _check_run(table: BlockSums, view: memoryview, numbers: IntArray) -> int:
+    """Check blocks ``numbers`` of one chunk; return the bytes hashed."""
+    size = table.size
+    starts = table.base + numbers * size
+    # Slices stop at the chunk's end: the last block may be short.
+    digest = xxhash.xxh3_64_intdigest
+    got = np.array([digest(view[lo : lo + size]) for lo in starts.tolist()], dtype=np.uint64)
+    bad = np.flatnonzero(got != table.sums[numbers])
+    if len(bad):
+        lo = int(starts[bad[0]])
+        raise CorruptCacheError(
+            f"{table.where}: block {numbers[bad[0]]} (bytes [{lo}, "
+            f"{min(lo + size, table.total)})) fails its checksum; the cache is corrupted, "
+            "delete and rebuild this version"
+        )
+    return int(np.minimum(starts + size, table.total).sum() - starts.sum())
