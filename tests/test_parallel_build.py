@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -250,3 +251,25 @@ def test_tf_data_source_is_sharded_per_rank(store_dir: Path) -> None:
     assert refs[0].manifest.build_id == refs[1].manifest.build_id
     ids = [int(v) for b in refs[0].stream(shuffle=False).batches(4) for v in b]
     assert ids == [0, 2, 4, 6, 8, 1, 3, 5, 7, 9]
+
+
+def test_worker_rank_of_a_strategy_cluster() -> None:
+    tf = pytest.importorskip("tensorflow")
+    from yogastore.distributed import worker_rank
+
+    cluster = tf.train.ClusterSpec({"chief": ["a:1"], "worker": ["b:1", "c:1"]})
+    for task_type, task_id, expected in [("chief", 0, (0, 3)), ("worker", 1, (2, 3))]:
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            cluster, task_type=task_type, task_id=task_id
+        )
+        assert worker_rank(types.SimpleNamespace(cluster_resolver=resolver)) == expected
+    assert worker_rank(tf.distribute.OneDeviceStrategy("/cpu:0")) == (0, 1)
+
+
+@pytest.mark.multiprocess
+def test_benchmark_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from benchmarks import parallel_build
+
+    parallel_build.main(["--records=40", "--rounds=1", f"--work-dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "1 builder(s)" in out and "2 builder(s)" in out and "x vs 1 builder" in out
