@@ -16,14 +16,13 @@ import signal
 import threading
 import time
 import types
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import yogastore as y
-from tests.backends.s3_support import create_bucket, fake_credentials, moto_endpoint
+from tests.backends.s3_support import shared_moto_bucket
 from tests.parallel_support import SPEC, rank_worker, read_all, records, strided_order
 from yogastore.build.parallel import held_rank_locks, intent_key
 
@@ -146,12 +145,7 @@ def test_killed_rank_fails_the_build_and_a_rerun_reuses_the_finished_parts(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_two_ranks_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_credentials(monkeypatch)
-    endpoint = moto_endpoint()
-    monkeypatch.setenv("YOGASTORE_S3_ENDPOINT_URL", endpoint)  # inherited by the children
-    bucket = f"par-{uuid.uuid4().hex[:12]}"
-    create_bucket(endpoint, bucket)
-    url = f"s3://{bucket}/store"
+    url = f"s3://{shared_moto_bucket(monkeypatch, 'par')}/store"
     fast_locks = {"store": {"lock_settle": 0.0, "lock_lease": 3.0, "lock_poll": 0.2}}
     processes, queue = run_ranks(url, 2, {0: fast_locks, 1: {**fast_locks, "whole": True}})
     try:
@@ -210,7 +204,9 @@ def test_list_gc_and_delete_handle_leftovers(store_dir: Path) -> None:
     assert intent_key("ds", "1", 2) in leftovers
     assert store.list() == [] and store.versions() == [("ds", "1")]
     # A rank still running (its lock held) keeps gc and delete away.
+    assert not store.building("ds", "1")
     with held_rank_locks(store.backend, "ds", "1", [2], None):
+        assert store.building("ds", "1")
         assert store.gc() == []
         with pytest.raises(y.LockTimeoutError):
             y.Store(store_dir, lock_timeout=0.2).delete("ds", "1")

@@ -775,16 +775,21 @@ class Store:
     def building(self, dataset_id: str, version: str = "1") -> bool:
         """Return whether a build of this version holds its lock right now.
 
-        Takes the lock for an instant when it is free (on an object store that
-        writes and deletes the lock object); asking about a version that does
-        not exist leaves nothing behind.
+        A rank of a parallel build (``cache_parallel``) holding its lock counts
+        too. Takes the locks for an instant when they are free (on an object
+        store that writes and deletes the lock objects); asking about a version
+        that does not exist leaves nothing behind.
         """
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
         name = f"{dataset_id}/{version}"
         try:
             with self.backend.lock(name, timeout=0):
-                if not self.backend.list(name + "/"):
+                keys = self.backend.list(name + "/")
+                counts = intent_ranks(keys, name + "/")
+                with held_rank_locks(self.backend, dataset_id, version, counts, 0):
+                    pass
+                if not keys:
                     self.backend.delete_lock(name)
                 return False
         except LockTimeoutError:
