@@ -108,9 +108,10 @@ def new_build_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def chunk_key_prefix(dataset_id: str, version: str, build_id: str) -> str:
-    """Return the prefix of every chunk key of one build."""
-    return f"{dataset_id}/{version}/c-{build_id}-"
+def chunk_key_prefix(dataset_id: str, version: str, build_id: str, rank: int | None = None) -> str:
+    """Return the prefix of every chunk key of one build (or of rank ``rank``'s part of it)."""
+    part = "" if rank is None else f"r{rank}-"
+    return f"{dataset_id}/{version}/c-{build_id}-{part}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
