@@ -269,3 +269,31 @@ def test_benchmark_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     parallel_build.main(["--records=40", "--rounds=1", f"--work-dir={tmp_path}"])
     out = capsys.readouterr().out
     assert "1 builder(s)" in out and "2 builder(s)" in out and "x vs 1 builder" in out
+
+
+def test_cache_and_cache_parallel_of_one_version_end_with_one_manifest(store_dir: Path) -> None:
+    store = y.Store(store_dir)
+    started = threading.Event()
+    built: dict[str, Any] = {}
+
+    def slow() -> Any:
+        started.set()
+        for record in records(40):
+            time.sleep(0.01)
+            yield record
+
+    def single() -> None:
+        built["cache"] = store.cache("ds", "1", slow, spec=SPEC, progress=y.NullProgress())
+
+    thread = threading.Thread(target=single)
+    thread.start()
+    assert started.wait(30)
+    # The rank waits for the build lock, then finds the committed version: a hit.
+    ref = store.cache_parallel(
+        "ds", "1", lambda: records(40), rank=0, num_ranks=1, spec=SPEC, timeout=5
+    )
+    thread.join(30)
+    assert ref.manifest.build_id == built["cache"].manifest.build_id
+    assert not any("-r0-" in c.key for c in ref.manifest.chunks)  # no part was written
+    assert read_all(ref) == list(range(40))
+    assert set(store.backend.list("ds/1/")) == ref.manifest.keys()
