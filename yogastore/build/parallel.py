@@ -66,7 +66,7 @@ from yogastore.build.writer import (
     write_chunks,
 )
 from yogastore.checks import check_int
-from yogastore.format.manifest import Manifest, manifest_key
+from yogastore.format.manifest import Manifest
 from yogastore.spec import Schema
 
 if TYPE_CHECKING:
@@ -398,7 +398,7 @@ def build_parallel(
     fingerprint: str | None,
     timeout: float | None,
 ) -> DatasetRef:
-    """Take part in a parallel first pass as ``rank`` of ``num_ranks`` (``Store.cache_parallel``)."""
+    """Take part in a parallel first pass as ``rank`` of ``num_ranks``: ``Store.cache_parallel``."""
     job = _Job(store, dataset_id, version, rank, num_ranks)
     options = BuildOptions(fingerprint=fingerprint)
     committed = store._read_manifest(dataset_id, version)
