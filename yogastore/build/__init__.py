@@ -3,6 +3,5 @@
 ``tf_build`` turns a ``tf.data`` source into records, ``casts`` refuses lossy
 casts, ``buildcheck`` guards a build (infinite sources, limits, fingerprints,
 leftovers of failed builds), ``writer`` encodes chunks and commits the
-manifest, ``parallel`` runs the first pass across ranks (one part each, one
-manifest commit), ``progress`` reports it.
+manifest, ``progress`` reports it.
 """
