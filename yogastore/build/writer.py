@@ -23,9 +23,9 @@ import numpy as np
 from storage_backends import Backend
 from storage_backends.errors import UnsupportedElementError
 from yogastore.build.casts import check_value
+from yogastore.build.progress import LineProgress, Progress
 from yogastore.format import ChunkBuilder, ColumnSpec, columns_for, parse_header
 from yogastore.format.manifest import ChunkInfo, Manifest, checksum
-from yogastore.build.progress import LineProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
 
 __all__ = ["chunk_key_prefix", "component_columns", "new_build_id", "write_dataset"]
