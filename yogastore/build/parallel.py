@@ -1,0 +1,467 @@
+"""First pass across ranks: each rank writes its part, one manifest commits them all.
+
+Keys, flat under ``<dataset>/<version>/`` (so a local version stays one LMDB
+environment):
+
+* ``intent-n<N>.json``: created with an exclusive put by the first rank of a
+  job of N ranks. It holds the build id every rank of such a job uses, N, the
+  schema and the source fingerprint; a rank whose source differs is refused.
+* ``c-<build>-r<rank>-<n>``: the chunks of rank ``rank``'s part. Their names
+  are deterministic, so a restarted rank writes over what it left.
+* ``part-<build>-r<rank>.json``: the rank's part, a manifest of its chunks
+  (records numbered from 0), written last with an exclusive put. A rank that
+  finds its part there does not read its source again: a restarted job redoes
+  only the parts that are missing.
+* ``manifest.json``: the commit, assembled from the parts in rank order by the
+  first rank that sees every part, and written with an exclusive put; the
+  others adopt it. The winner then deletes the intent, the parts and every
+  chunk the manifest does not name. Without every part there is no manifest,
+  so a version is never visible in part.
+
+Liveness: each rank holds the lock ``<dataset>/<version>..n<N>-r<rank>``
+(no version name contains ``..``) from start to end; the kernel (local
+stores) or the end of its lease (S3) releases it when the rank dies. A rank
+reads the manifest and the intent holding the version's build lock for a
+moment, and ``gc`` and ``delete`` hold that lock and then every rank lock of
+the version's intents before they remove anything: a live build is never
+collected, and no rank adopts an intent that is being deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from storage_backends import Backend
+from storage_backends.errors import (
+    BuildTimeoutError,
+    CorruptCacheError,
+    DatasetNotFoundError,
+    InvalidArgumentError,
+    KeyExistsError,
+    KeyNotFoundError,
+    StaleCacheError,
+)
+from yogastore import boundedjson
+from yogastore.build.buildcheck import (
+    BuildOptions,
+    check_fingerprint,
+    check_schema,
+    check_source_size,
+)
+from yogastore.build.progress import Progress, default_progress
+from yogastore.build.writer import (
+    chunk_key_prefix,
+    commit_manifest,
+    creation_info,
+    new_build_id,
+    write_chunks,
+)
+from yogastore.checks import check_int
+from yogastore.format.manifest import Manifest
+from yogastore.spec import Schema
+
+if TYPE_CHECKING:
+    from yogastore.store import DatasetRef, Store
+
+__all__ = [
+    "build_parallel",
+    "held_rank_locks",
+    "intent_key",
+    "intent_ranks",
+    "part_key",
+    "rank_lock_name",
+]
+
+logger = logging.getLogger(__name__)
+
+_INTENT_NAME = re.compile(r"intent-n([0-9]+)\.json")
+_FORMAT = "yogastore-parallel-intent"
+_FIRST_POLL = 0.05
+_MAX_POLL = 2.0
+
+
+def intent_key(dataset_id: str, version: str, num_ranks: int) -> str:
+    """Return the key of the intent of a parallel build of ``num_ranks`` ranks."""
+    return f"{dataset_id}/{version}/intent-n{num_ranks}.json"
+
+
+def part_key(dataset_id: str, version: str, build_id: str, rank: int) -> str:
+    """Return the key of rank ``rank``'s part manifest."""
+    return f"{dataset_id}/{version}/part-{build_id}-r{rank}.json"
+
+
+def rank_lock_name(dataset_id: str, version: str, num_ranks: int, rank: int) -> str:
+    """Return the name of the lock a rank holds while it takes part in a build."""
+    return f"{dataset_id}/{version}..n{num_ranks}-r{rank}"
+
+
+def intent_ranks(keys: Iterable[str], prefix: str) -> list[int]:
+    """Return the rank counts of the parallel builds whose intents are among ``keys``."""
+    found = (_INTENT_NAME.fullmatch(key[len(prefix) :]) for key in keys if key.startswith(prefix))
+    return sorted(int(m.group(1)) for m in found if m is not None)
+
+
+@contextlib.contextmanager
+def held_rank_locks(
+    backend: Backend, dataset_id: str, version: str, counts: Iterable[int], timeout: float | None
+) -> Iterator[None]:
+    """Hold every rank lock of parallel builds of ``counts`` ranks; remove them on exit.
+
+    Raises:
+        LockTimeoutError: a rank is still running after ``timeout`` seconds.
+    """
+    names = [
+        rank_lock_name(dataset_id, version, n, r) for n in sorted(set(counts)) for r in range(n)
+    ]
+    with contextlib.ExitStack() as held:
+        for name in names:
+            held.enter_context(backend.lock(name, timeout=timeout))
+        yield
+        for name in names:
+            backend.delete_lock(name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Intent:
+    build_id: str
+    num_ranks: int
+    schema: Schema
+    fingerprint: str | None
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": _FORMAT,
+            "build_id": self.build_id,
+            "num_ranks": self.num_ranks,
+            "schema": self.schema.to_json(),
+            "source_fingerprint": self.fingerprint,
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | memoryview, where: str) -> _Intent:
+        doc = boundedjson.loads(data, where, CorruptCacheError)
+        build_id = doc.get("build_id") if isinstance(doc, dict) else None
+        fingerprint = doc.get("source_fingerprint") if isinstance(doc, dict) else None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("format") != _FORMAT
+            or not isinstance(build_id, str)
+            or not re.fullmatch(r"[0-9a-f]{12}", build_id)
+            or not (fingerprint is None or isinstance(fingerprint, str))
+        ):
+            raise CorruptCacheError(
+                f"{where} is not a parallel build intent; delete the version and build it again"
+            )
+        num_ranks = check_int(
+            f"{where}: num_ranks", doc.get("num_ranks"), 1, error=CorruptCacheError
+        )
+        return cls(build_id, num_ranks, Schema.from_json(doc.get("schema"), where), fingerprint)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Job:
+    """One rank's view of a parallel build."""
+
+    store: Store
+    dataset_id: str
+    version: str
+    rank: int
+    num_ranks: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.dataset_id}/{self.version}"
+
+    @property
+    def backend(self) -> Backend:
+        return self.store.backend
+
+    def intent_key(self) -> str:
+        return intent_key(self.dataset_id, self.version, self.num_ranks)
+
+    def part_key(self, build_id: str, rank: int) -> str:
+        return part_key(self.dataset_id, self.version, build_id, rank)
+
+
+def _takes_shard(make_dataset: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(make_dataset).bind(0, 1)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _part_source(make_dataset: Callable[..., Any], rank: int, num_ranks: int) -> Any:
+    """Return this rank's part of the source (see ``Store.cache_parallel``)."""
+    from yogastore.store import _is_tf_dataset
+
+    if _takes_shard(make_dataset):
+        return make_dataset(rank, num_ranks)
+    source = make_dataset()
+    if _is_tf_dataset(source):
+        return source.shard(num_ranks, rank)
+    return itertools.islice(iter(source), rank, None, num_ranks)
+
+
+def _adopt_intent(job: _Job, schema: Schema, fingerprint: str | None) -> _Intent:
+    """Create the job's intent, or read the one another rank created and check it."""
+    mine = _Intent(new_build_id(), job.num_ranks, schema, fingerprint)
+    key = job.intent_key()
+    try:
+        job.backend.put_exclusive(key, mine.to_json())
+        return mine
+    except KeyExistsError:
+        pass
+    where = f"parallel build intent {key!r} in {job.store.url}"
+    theirs = _Intent.from_json(job.backend.get(key), where)
+    what = []
+    if theirs.num_ranks != job.num_ranks:
+        what.append(f"{theirs.num_ranks} ranks")
+    if theirs.schema != schema:
+        what.append("another schema")
+    if theirs.fingerprint != fingerprint:
+        what.append(f"source fingerprint {theirs.fingerprint!r:.200}")
+    if what:
+        raise StaleCacheError(
+            f"{where} belongs to a build of {job.name} with {', '.join(what)}, not this "
+            f"source; if no rank of that build runs any more, remove it with `yogastore "
+            f"delete {job.dataset_id} {job.version}` (or Store.delete / `yogastore gc`), "
+            "or cache this source under another version"
+        )
+    return theirs
+
+
+def _read_part(job: _Job, intent: _Intent, rank: int) -> Manifest:
+    key = job.part_key(intent.build_id, rank)
+    where = f"part {rank} of {job.num_ranks} of {job.name} ({key!r} in {job.store.url})"
+    prefix = chunk_key_prefix(job.dataset_id, job.version, intent.build_id, rank)
+    part = Manifest.from_json(job.backend.get(key), where, f"{job.name}/")
+    bad = [c.key for c in part.chunks if not c.key.startswith(prefix)]
+    if (part.dataset_id, part.version, part.build_id) != (
+        job.dataset_id,
+        job.version,
+        intent.build_id,
+    ) or bad:
+        raise CorruptCacheError(
+            f"{where} names another build or rank; delete the version and build it again"
+        )
+    if part.schema != intent.schema:
+        raise CorruptCacheError(f"{where} has another schema than the build's intent")
+    return part
+
+
+def _write_part(
+    job: _Job,
+    intent: _Intent,
+    items: Iterable[Any],
+    *,
+    chunk_bytes: int,
+    progress: Progress,
+) -> None:
+    """Write this rank's chunks, then (last) its part manifest."""
+    table = write_chunks(
+        job.backend,
+        chunk_key_prefix(job.dataset_id, job.version, intent.build_id, job.rank),
+        intent.schema,
+        items,
+        chunk_bytes=chunk_bytes,
+        progress=progress,
+        upload_workers=job.backend.upload_workers,
+    )
+    part = Manifest(
+        dataset_id=job.dataset_id,
+        version=job.version,
+        num_records=table.num_records,
+        schema=intent.schema,
+        chunks=table.chunks,
+        build_id=intent.build_id,
+        created=creation_info(chunk_bytes, rank=job.rank, num_ranks=job.num_ranks),
+        source_fingerprint=intent.fingerprint,
+    )
+    try:
+        job.backend.put_exclusive(job.part_key(intent.build_id, job.rank), part.to_json())
+    except KeyExistsError:
+        # Another process wrote this rank's part meanwhile (one whose lease on
+        # the rank lock ran out while it was paused): its chunk table must
+        # describe the chunks as they are now, i.e. as this process wrote them.
+        if _read_part(job, intent, job.rank).chunks != part.chunks:
+            raise CorruptCacheError(
+                f"{job.name}: two processes wrote part {job.rank} of {job.num_ranks} of build "
+                f"{intent.build_id} with different chunks; delete the version and build it "
+                "again, with one process per rank"
+            ) from None
+
+
+def _assemble(job: _Job, intent: _Intent, chunk_bytes: int) -> Manifest:
+    """Return the manifest of every part, in rank order."""
+    chunks = []
+    first = 0
+    for rank in range(job.num_ranks):
+        part = _read_part(job, intent, rank)
+        chunks += [dataclasses.replace(c, first=c.first + first) for c in part.chunks]
+        first += part.num_records
+    return Manifest(
+        dataset_id=job.dataset_id,
+        version=job.version,
+        num_records=first,
+        schema=intent.schema,
+        chunks=tuple(chunks),
+        build_id=intent.build_id,
+        created=creation_info(chunk_bytes, num_ranks=job.num_ranks),
+        source_fingerprint=intent.fingerprint,
+    )
+
+
+def _missing_parts(job: _Job, intent: _Intent, ranks: list[int], *, all_of_them: bool) -> list[int]:
+    """Return the ranks of ``ranks`` whose parts are not there yet.
+
+    Looks in rank order and, unless ``all_of_them``, stops at the first missing
+    part: a waiting rank then costs one request per poll.
+    """
+    missing = []
+    for rank in ranks:
+        if not job.backend.exists(job.part_key(intent.build_id, rank)):
+            missing.append(rank)
+            if not all_of_them:
+                return missing + [r for r in ranks if r > rank]
+    return missing
+
+
+def _wait_and_commit(
+    job: _Job, intent: _Intent, timeout: float | None, chunk_bytes: int
+) -> Manifest:
+    """Wait for every part, then commit the manifest or adopt the one committed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waiting = [r for r in range(job.num_ranks) if r != job.rank]
+    pause = _FIRST_POLL
+    while True:
+        committed = job.store._read_manifest(job.dataset_id, job.version)
+        if committed is not None:
+            return committed
+        waiting = _missing_parts(job, intent, waiting, all_of_them=False)
+        if not waiting:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            missing = _missing_parts(job, intent, waiting, all_of_them=True)
+            if missing:
+                raise BuildTimeoutError(
+                    f"caching {job.name} on {job.num_ranks} ranks: after {timeout}s rank "
+                    f"{job.rank} still misses the parts of ranks {missing} (build "
+                    f"{intent.build_id}); nothing was committed. Start every rank again: "
+                    "finished parts are kept and reused"
+                )
+            break
+        time.sleep(pause)
+        pause = min(pause * 1.5, _MAX_POLL)
+    try:
+        manifest = _assemble(job, intent, chunk_bytes)
+        commit_manifest(job.backend, manifest)
+    except (KeyExistsError, KeyNotFoundError):
+        # Another rank committed first (and may have swept the parts already).
+        committed = job.store._read_manifest(job.dataset_id, job.version)
+        if committed is None:
+            raise
+        return committed
+    logger.info(
+        "cached %s on %d ranks: %d records, %d chunks, %.1f MB",
+        job.name,
+        job.num_ranks,
+        manifest.num_records,
+        len(manifest.chunks),
+        manifest.nbytes / 1e6,
+    )
+    job.store._sweep(manifest)  # the intents, the parts, chunks of other builds
+    return manifest
+
+
+def build_parallel(
+    store: Store,
+    dataset_id: str,
+    version: str,
+    make_dataset: Callable[..., Any],
+    *,
+    rank: int,
+    num_ranks: int,
+    spec: Any,
+    chunk_bytes: int,
+    progress: Progress | None,
+    fingerprint: str | None,
+    timeout: float | None,
+) -> DatasetRef:
+    """Take part in a parallel first pass as ``rank`` of ``num_ranks``: ``Store.cache_parallel``."""
+    job = _Job(store, dataset_id, version, rank, num_ranks)
+    options = BuildOptions(fingerprint=fingerprint)
+    committed = store._read_manifest(dataset_id, version)
+    if committed is None:
+        problem = store.backend.exclusive_puts_problem()
+        if problem is not None:
+            raise InvalidArgumentError(
+                f"caching {job.name} on {num_ranks} ranks needs exclusive puts that hold "
+                f"across processes, and {store.url} cannot promise them: {problem}"
+            )
+        lock = rank_lock_name(dataset_id, version, num_ranks, rank)
+        with store.backend.lock(lock, timeout=store.lock_timeout):
+            try:
+                committed, element_spec = _take_part(
+                    job, make_dataset, spec, chunk_bytes, progress, options, timeout
+                )
+            finally:
+                store.backend.delete_lock(lock)
+        if committed is not None:
+            from yogastore.store import DatasetRef
+
+            check_fingerprint(committed, options.fingerprint)
+            return DatasetRef(store, committed, element_spec)
+        committed = store._read_manifest(dataset_id, version)  # committed meanwhile
+        if committed is None:
+            raise DatasetNotFoundError(f"{job.name} was deleted while rank {rank} opened it")
+
+    def whole() -> Any:
+        return make_dataset(rank, num_ranks) if _takes_shard(make_dataset) else make_dataset()
+
+    return store._hit(committed, whole, spec, options)
+
+
+def _take_part(
+    job: _Job,
+    make_dataset: Callable[..., Any],
+    spec: Any,
+    chunk_bytes: int,
+    progress: Progress | None,
+    options: BuildOptions,
+    timeout: float | None,
+) -> tuple[Manifest | None, Any]:
+    """Write this rank's part unless there; return the committed manifest (``None``: a hit)."""
+    store = job.store
+    source = _part_source(make_dataset, job.rank, job.num_ranks)
+    total = check_source_size(source, job.name, options)
+    schema, items, element_spec = store._prepare(source, spec)
+    with store.backend.lock(job.name, timeout=store.lock_timeout):
+        if store._read_manifest(job.dataset_id, job.version) is not None:
+            return None, None  # committed meanwhile: checked as a hit
+        intent = _adopt_intent(job, schema, options.fingerprint)
+    try:
+        _read_part(job, intent, job.rank)
+        logger.info("%s: part %d of %d is there already", job.name, job.rank, job.num_ranks)
+    except KeyNotFoundError:
+        label = f"caching {job.name} part {job.rank}/{job.num_ranks}"
+        _write_part(
+            job,
+            intent,
+            items,
+            chunk_bytes=chunk_bytes,
+            progress=progress or default_progress(label, total),
+        )
+    committed = _wait_and_commit(job, intent, timeout, chunk_bytes)
+    check_schema(committed, schema)
+    return committed, element_spec if committed.schema == schema else None
