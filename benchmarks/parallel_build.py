@@ -66,6 +66,7 @@ def _rank(root: str, rank: int, num_ranks: int, n: int, rounds: int, out: Any) -
         lambda r, k: part(n, rounds, r, k),
         rank=rank,
         num_ranks=num_ranks,
+        attempt="bench",  # every round builds into a new store
         spec=spec,
         progress=y.NullProgress(),
     )

@@ -63,8 +63,8 @@ def rank_worker(
     """Take part in a parallel build and report what this rank got.
 
     ``options``: ``whole`` (make_dataset returns every record; the library
-    strides it), ``counter``, ``delay`` (seconds per record of this rank),
-    ``timeout``, ``store`` (Store keywords).
+    strides it), ``attempt`` (default ``"a1"``), ``counter``, ``delay``
+    (seconds per record of this rank), ``timeout``, ``store`` (Store keywords).
     """
     try:
         store = y.Store(url, chunk_bytes=4 << 10, **options.get("store", {}))
@@ -80,6 +80,7 @@ def rank_worker(
             (lambda: records(n)) if options.get("whole") else part,
             rank=rank,
             num_ranks=num_ranks,
+            attempt=options.get("attempt", "a1"),
             spec=SPEC,
             progress=y.NullProgress(),
             timeout=options.get("timeout", 60.0),

@@ -19,11 +19,12 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import yogastore as y
 from tests.backends.s3_support import shared_moto_bucket
-from tests.parallel_support import SPEC, rank_worker, read_all, records, strided_order
+from tests.parallel_support import SPEC, blob, rank_worker, read_all, records, strided_order
 from yogastore.build.parallel import held_rank_locks, intent_key
 
 CTX = multiprocessing.get_context("spawn")
@@ -92,7 +93,7 @@ def test_three_ranks_on_a_local_store(store_dir: Path) -> None:
     assert not list(store_dir.glob("ds/*..n*"))  # the rank locks went with their ranks
     # A committed version is a hit: no source is read.
     again = store.cache_parallel(
-        "ds", "1", lambda r, n: iter(()), rank=1, num_ranks=3, spec=SPEC, timeout=0
+        "ds", "1", lambda r, n: iter(()), rank=1, num_ranks=3, attempt="a2", spec=SPEC, timeout=0
     )
     assert again.manifest.build_id == ref.manifest.build_id
 
@@ -100,7 +101,7 @@ def test_three_ranks_on_a_local_store(store_dir: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_killed_rank_fails_the_build_and_a_rerun_reuses_the_finished_parts(
+def test_killed_rank_fails_the_build_and_a_new_attempt_writes_every_part(
     store_dir: Path, tmp_path: Path
 ) -> None:
     counter = tmp_path / "calls.txt"
@@ -128,15 +129,16 @@ def test_killed_rank_fails_the_build_and_a_rerun_reuses_the_finished_parts(
     with pytest.raises(y.DatasetNotFoundError):
         store.open("ds", "1")
 
-    # All ranks again: only rank 2's part is written.
+    # All ranks again, as a new attempt: every part is written again (the
+    # parts of the failed attempt may come from another source).
     processes, queue = run_ranks(
-        str(store_dir), 3, {r: {"counter": str(counter)} for r in range(3)}
+        str(store_dir), 3, {r: {"counter": str(counter), "attempt": "a2"} for r in range(3)}
     )
     try:
         check_committed(reports(queue, 3), 3)
     finally:
         finish(processes)
-    assert sorted(counter.read_text().split()) == ["0", "1", "2", "2"]
+    assert sorted(counter.read_text().split()) == ["0", "0", "1", "1", "2", "2"]
     ref = store.open("ds", "1")
     assert set(store.backend.list("ds/1/")) == ref.manifest.keys()
 
@@ -147,7 +149,7 @@ def test_killed_rank_fails_the_build_and_a_rerun_reuses_the_finished_parts(
 def test_two_ranks_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"s3://{shared_moto_bucket(monkeypatch, 'par')}/store"
     fast_locks = {"store": {"lock_settle": 0.0, "lock_lease": 3.0, "lock_poll": 0.2}}
-    processes, queue = run_ranks(url, 2, {0: fast_locks, 1: {**fast_locks, "whole": True}})
+    processes, queue = run_ranks(url, 2, {r: {**fast_locks, "whole": True} for r in range(2)})
     try:
         check_committed(reports(queue, 2), 2)
     finally:
@@ -158,15 +160,16 @@ def test_two_ranks_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any(k.endswith(".lock") for k in store.backend.list(""))
 
 
-def one_rank_times_out(store: y.Store, **options: Any) -> None:
-    """Rank 0 of 2 writes its part and gives up waiting for rank 1."""
+def one_rank_times_out(store: y.Store, source: Any = None, **options: Any) -> None:
+    """Rank 0 of 2 (attempt "a1") writes its part and gives up waiting for rank 1."""
     with pytest.raises(y.BuildTimeoutError, match=r"ranks \[1\]"):
         store.cache_parallel(
             "ds",
             "1",
-            lambda: records(50),
+            source or (lambda: records(50)),
             rank=0,
             num_ranks=2,
+            attempt="a1",
             spec=SPEC,
             progress=y.NullProgress(),
             timeout=0.1,
@@ -174,25 +177,84 @@ def one_rank_times_out(store: y.Store, **options: Any) -> None:
         )
 
 
+def two_ranks(store: y.Store, source: Any, attempt: str) -> list[y.DatasetRef]:
+    """Run ranks 0 and 1 of one attempt in threads; return their refs."""
+    refs: dict[int, y.DatasetRef] = {}
+
+    def rank(r: int) -> None:
+        refs[r] = store.cache_parallel(
+            "ds", "1", source, rank=r, num_ranks=2, attempt=attempt, spec=SPEC,
+            progress=y.NullProgress(), timeout=30,
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [refs[0], refs[1]]
+
+
+def shifted(n: int, offset: int) -> Any:
+    for i in range(n):
+        yield {"id": np.int64(offset + i), "blob": blob(offset + i)}
+
+
+def test_a_new_attempt_never_uses_parts_of_a_failed_one(store_dir: Path) -> None:
+    """A failed attempt's part (old source, no fingerprint) stays out of the new build."""
+    store = y.Store(store_dir)
+    one_rank_times_out(store)  # records 0..49, part 0 written
+    refs = two_ranks(store, lambda: shifted(50, 10_000), "a2")  # the source changed
+    assert refs[0].manifest.build_id == refs[1].manifest.build_id
+    assert sorted(read_all(refs[0])) == list(range(10_000, 10_050))
+    assert set(store.backend.list("ds/1/")) == refs[0].manifest.keys()  # a1 swept
+
+
+def test_a_rank_started_twice_in_one_attempt_is_refused(store_dir: Path) -> None:
+    store = y.Store(store_dir)
+    one_rank_times_out(store)
+    with pytest.raises(y.StaleCacheError, match="part 0 of 2 of attempt 'a1' is written"):
+        one_rank_times_out(store)
+    # Ranks that split the source themselves cannot join an attempt that strides it.
+    with pytest.raises(y.StaleCacheError, match="split by every n-th element"):
+        store.cache_parallel(
+            "ds", "1", lambda r, n: shifted(5, r), rank=1, num_ranks=2, attempt="a1",
+            spec=SPEC, timeout=0.1,
+        )  # fmt: skip
+
+
+def test_a_source_function_with_optional_parameters_returns_the_whole_source(
+    store_dir: Path,
+) -> None:
+    def make_dataset(count: int = 30, base: int = 0) -> Any:
+        return shifted(count, base)
+
+    ref = y.Store(store_dir).cache_parallel(
+        "ds", "1", make_dataset, rank=0, num_ranks=1, attempt="a1", spec=SPEC,
+        progress=y.NullProgress(),
+    )  # fmt: skip
+    assert read_all(ref) == list(range(30))
+
+
 def test_an_intent_of_another_source_is_refused(store_dir: Path) -> None:
     store = y.Store(store_dir)
     one_rank_times_out(store, fingerprint="v1")
     other_spec = {**SPEC, "id": y.ComponentSpec(shape=(), dtype="int32")}
-    key = intent_key("ds", "1", 2)
+    key = intent_key("ds", "1", 2, "a1")
     for spec, fingerprint, what in [
         (SPEC, "v2", "source fingerprint 'v1'"),
         (other_spec, "v1", "another schema"),
     ]:
         with pytest.raises(y.StaleCacheError, match="yogastore delete ds 1") as err:
             store.cache_parallel(
-                "ds", "1", lambda: records(50), rank=1, num_ranks=2, spec=spec,
+                "ds", "1", lambda: records(50), rank=1, num_ranks=2, attempt="a1", spec=spec,
                 fingerprint=fingerprint, timeout=0.1,
             )  # fmt: skip
         assert key in str(err.value) and what in str(err.value)
-    # The same source completes the build, with rank 0's part as it was.
+    # Rank 1 of the same attempt, late, completes the build with rank 0's part.
     ref = store.cache_parallel(
-        "ds", "1", lambda: records(50), rank=1, num_ranks=2, spec=SPEC, fingerprint="v1",
-        progress=y.NullProgress(),
+        "ds", "1", lambda: records(50), rank=1, num_ranks=2, attempt="a1", spec=SPEC,
+        fingerprint="v1", progress=y.NullProgress(),
     )  # fmt: skip
     assert read_all(ref) == strided_order(50, 2)
 
@@ -201,7 +263,7 @@ def test_list_gc_and_delete_handle_leftovers(store_dir: Path) -> None:
     store = y.Store(store_dir, lock_timeout=0.5)
     one_rank_times_out(store)
     leftovers = store.backend.list("ds/1/")
-    assert intent_key("ds", "1", 2) in leftovers
+    assert intent_key("ds", "1", 2, "a1") in leftovers
     assert store.list() == [] and store.versions() == [("ds", "1")]
     # A rank still running (its lock held) keeps gc and delete away.
     assert not store.building("ds", "1")
@@ -223,7 +285,7 @@ def test_list_gc_and_delete_handle_leftovers(store_dir: Path) -> None:
 
     # Leftovers of a parallel build beside a committed version: gc takes them.
     store.cache("ds", "1", lambda: records(20), spec=SPEC, progress=y.NullProgress())
-    store.backend.put(intent_key("ds", "1", 4), b"{}")
+    store.backend.put(intent_key("ds", "1", 4, "x"), b"{}")
     [entry] = store.gc()
     assert entry.committed and entry.keys == 1
     assert [d.num_records for d in store.list()] == [20]
@@ -235,7 +297,7 @@ def test_tf_data_source_is_sharded_per_rank(store_dir: Path) -> None:
 
     def rank(r: int) -> None:
         refs[r] = y.Store(store_dir).cache_parallel(
-            "tf", "1", lambda: tf.data.Dataset.range(10), rank=r, num_ranks=2,
+            "tf", "1", lambda: tf.data.Dataset.range(10), rank=r, num_ranks=2, attempt="a1",
             progress=y.NullProgress(), timeout=30,
         )  # fmt: skip
 
@@ -290,10 +352,29 @@ def test_cache_and_cache_parallel_of_one_version_end_with_one_manifest(store_dir
     assert started.wait(30)
     # The rank waits for the build lock, then finds the committed version: a hit.
     ref = store.cache_parallel(
-        "ds", "1", lambda: records(40), rank=0, num_ranks=1, spec=SPEC, timeout=5
+        "ds", "1", lambda: records(40), rank=0, num_ranks=1, attempt="a1", spec=SPEC, timeout=5
     )
     thread.join(30)
     assert ref.manifest.build_id == built["cache"].manifest.build_id
     assert not any("-r0-" in c.key for c in ref.manifest.chunks)  # no part was written
     assert read_all(ref) == list(range(40))
     assert set(store.backend.list("ds/1/")) == ref.manifest.keys()
+
+
+def test_distributed_helper_names_the_attempt_and_explains_a_missing_horovod(
+    store_dir: Path,
+) -> None:
+    tf = pytest.importorskip("tensorflow")
+    from yogastore import distributed as yd
+
+    store = y.Store(store_dir)
+    ref = yd.cache_parallel(
+        store, "ds", "1", lambda: records(20), strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
+        spec=SPEC, progress=y.NullProgress(),
+    )  # fmt: skip
+    assert read_all(ref) == list(range(20))
+    try:
+        import horovod.tensorflow  # noqa: F401
+    except ImportError:
+        with pytest.raises(y.InvalidArgumentError, match="pass strategy="):
+            yd.cache_parallel(store, "ds", "2", lambda: records(20), spec=SPEC)

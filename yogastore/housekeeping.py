@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 
 # What builds write in a version besides its manifest: chunks c-<build id>-<n>
 # (c-<build id>-r<rank>-<n> in a parallel first pass), and a parallel first
-# pass's intent-n<ranks>.json and part-<build id>-r<rank>.json.
+# pass's intent-n<ranks>-<attempt digest>.json and part-<build id>-r<rank>.json.
 _OWN_NAME = re.compile(
-    r"c-[0-9A-Za-z_-]+-[0-9]+|intent-n[0-9]+\.json|part-[0-9A-Za-z_-]+-r[0-9]+\.json"
+    r"c-[0-9A-Za-z_-]+-[0-9]+|intent-n[0-9]+-[0-9a-f]{16}\.json|part-[0-9A-Za-z_-]+-r[0-9]+\.json"
 )
 
 

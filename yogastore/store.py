@@ -502,6 +502,7 @@ class Store:
         *,
         rank: int,
         num_ranks: int,
+        attempt: str,
         spec: Any = None,
         chunk_bytes: int | None = None,
         progress: Progress | None = None,
@@ -516,19 +517,25 @@ class Store:
         ``DatasetRef``. A committed version is a hit, as with ``cache``.
 
         The part of a rank: ``make_dataset(rank, num_ranks)`` when
-        ``make_dataset`` takes two positional arguments (it returns that
-        rank's records only, so no rank reads the others'); otherwise
+        ``make_dataset`` has exactly two required positional parameters (it
+        returns that rank's records only, so no rank reads the others'); otherwise
         ``make_dataset()`` is the whole source and the rank takes
         ``source.shard(num_ranks, rank)`` of a ``tf.data.Dataset`` or every
         ``num_ranks``-th element from ``rank`` of an iterable (each rank then
         iterates the whole source). Records are stored part after part in
         rank order: the order depends only on the source and ``num_ranks``.
 
-        A rank whose part is already written (a job restarted after some
-        ranks died) does not read its source again. A rank that does not see
-        every other part within ``timeout`` seconds of finishing its own
-        raises ``BuildTimeoutError`` naming the missing ranks; nothing is
-        committed then.
+        ``attempt`` names this launch of the job: every rank of one launch
+        passes the same text, and a launch started again after a failure
+        passes a new one (a job id, a launch time the launcher hands to every
+        rank; ``yogastore.distributed.cache_parallel`` makes one). Parts of
+        other attempts are never used: a rerun writes every part again. A
+        rank that finds its own part of its attempt already written (two
+        processes with one rank, or an attempt name used again) raises
+        ``StaleCacheError``. A rank that does not see every other part within
+        ``timeout`` seconds of finishing its own raises ``BuildTimeoutError``
+        naming the missing ranks; it commits nothing (the others may still
+        commit if the missing parts arrive).
 
         Args:
             dataset_id: dataset name.
@@ -537,6 +544,8 @@ class Store:
                 this rank's part of it (see above).
             rank: this rank.
             num_ranks: number of ranks taking part.
+            attempt: the name of this launch, the same on every rank, new
+                for every launch (1-200 printable characters).
             spec: for iterables, a nest of ``ComponentSpec`` (or of ``tf.TypeSpec``).
             chunk_bytes: target chunk size (default: the store's).
             progress: progress sink for this rank's part.
@@ -558,6 +567,14 @@ class Store:
             raise InvalidArgumentError("make_dataset must be a callable returning the dataset")
         num_ranks = check_int("num_ranks", num_ranks, 1)
         rank = check_int("rank", rank, 0, num_ranks - 1)
+        if (
+            not isinstance(attempt, str)
+            or not 1 <= len(attempt) <= 200
+            or not attempt.isprintable()
+        ):
+            raise InvalidArgumentError(
+                f"attempt must be 1-200 printable characters naming this launch, got {attempt!r}"
+            )
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
         ):
@@ -569,6 +586,7 @@ class Store:
             make_dataset,
             rank=rank,
             num_ranks=num_ranks,
+            attempt=attempt,
             spec=spec,
             chunk_bytes=check_int("chunk_bytes", chunk_bytes or self.chunk_bytes, 1),
             progress=progress,

@@ -3,15 +3,18 @@
 Keys, flat under ``<dataset>/<version>/`` (so a local version stays one LMDB
 environment):
 
-* ``intent-n<N>.json``: created with an exclusive put by the first rank of a
-  job of N ranks. It holds the build id every rank of such a job uses, N, the
-  schema and the source fingerprint; a rank whose source differs is refused.
-* ``c-<build>-r<rank>-<n>``: the chunks of rank ``rank``'s part. Their names
-  are deterministic, so a restarted rank writes over what it left.
+* ``intent-n<N>-<attempt>.json`` (``<attempt>``: a digest of the attempt's
+  name): created with an exclusive put by the first rank of one launch of a
+  job of N ranks. It holds the build id every rank of that launch uses, N,
+  the attempt's name, how the source is split, the schema and the source
+  fingerprint; a rank whose source or split differs is refused. Another
+  launch (a new attempt) has another intent and another build id, so parts
+  of a failed launch are never mixed into a new one.
+* ``c-<build>-r<rank>-<n>``: the chunks of rank ``rank``'s part.
 * ``part-<build>-r<rank>.json``: the rank's part, a manifest of its chunks
   (records numbered from 0), written last with an exclusive put. A rank that
-  finds its part there does not read its source again: a restarted job redoes
-  only the parts that are missing.
+  finds its own part there already was started twice in one attempt: it is
+  refused, since its part may come from another source.
 * ``manifest.json``: the commit, assembled from the parts in rank order by the
   first rank that sees every part, and written with an exclusive put; the
   others adopt it. The winner then deletes the intent, the parts and every
@@ -39,6 +42,8 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+import xxhash
 
 from storage_backends import Backend
 from storage_backends.errors import (
@@ -83,15 +88,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_INTENT_NAME = re.compile(r"intent-n([0-9]+)\.json")
+_INTENT_NAME = re.compile(r"intent-n([0-9]+)-[0-9a-f]{16}\.json")
 _FORMAT = "yogastore-parallel-intent"
 _FIRST_POLL = 0.05
 _MAX_POLL = 2.0
 
 
-def intent_key(dataset_id: str, version: str, num_ranks: int) -> str:
-    """Return the key of the intent of a parallel build of ``num_ranks`` ranks."""
-    return f"{dataset_id}/{version}/intent-n{num_ranks}.json"
+def intent_key(dataset_id: str, version: str, num_ranks: int, attempt: str) -> str:
+    """Return the key of the intent of one attempt of a parallel build of ``num_ranks`` ranks."""
+    digest = xxhash.xxh3_64_hexdigest(attempt.encode())
+    return f"{dataset_id}/{version}/intent-n{num_ranks}-{digest}.json"
 
 
 def part_key(dataset_id: str, version: str, build_id: str, rank: int) -> str:
@@ -136,12 +142,16 @@ class _Intent:
     num_ranks: int
     schema: Schema
     fingerprint: str | None
+    attempt: str
+    split: str  # "caller": make_dataset(rank, n); "stride": every n-th element from rank
 
     def to_json(self) -> bytes:
         doc = {
             "format": _FORMAT,
             "build_id": self.build_id,
             "num_ranks": self.num_ranks,
+            "attempt": self.attempt,
+            "split": self.split,
             "schema": self.schema.to_json(),
             "source_fingerprint": self.fingerprint,
         }
@@ -158,6 +168,8 @@ class _Intent:
             or not isinstance(build_id, str)
             or not re.fullmatch(r"[0-9a-f]{12}", build_id)
             or not (fingerprint is None or isinstance(fingerprint, str))
+            or not isinstance(doc.get("attempt"), str)
+            or doc.get("split") not in ("caller", "stride")
         ):
             raise CorruptCacheError(
                 f"{where} is not a parallel build intent; delete the version and build it again"
@@ -165,7 +177,8 @@ class _Intent:
         num_ranks = check_int(
             f"{where}: num_ranks", doc.get("num_ranks"), 1, error=CorruptCacheError
         )
-        return cls(build_id, num_ranks, Schema.from_json(doc.get("schema"), where), fingerprint)
+        schema = Schema.from_json(doc.get("schema"), where)
+        return cls(build_id, num_ranks, schema, fingerprint, doc["attempt"], doc["split"])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -177,6 +190,7 @@ class _Job:
     version: str
     rank: int
     num_ranks: int
+    attempt: str
 
     @property
     def name(self) -> str:
@@ -187,18 +201,21 @@ class _Job:
         return self.store.backend
 
     def intent_key(self) -> str:
-        return intent_key(self.dataset_id, self.version, self.num_ranks)
+        return intent_key(self.dataset_id, self.version, self.num_ranks, self.attempt)
 
     def part_key(self, build_id: str, rank: int) -> str:
         return part_key(self.dataset_id, self.version, build_id, rank)
 
 
 def _takes_shard(make_dataset: Callable[..., Any]) -> bool:
+    """Whether ``make_dataset`` has exactly two required positional parameters."""
     try:
-        inspect.signature(make_dataset).bind(0, 1)
+        params = inspect.signature(make_dataset).parameters.values()
     except (TypeError, ValueError):
         return False
-    return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.kind in positional and p.default is p.empty]
+    return len(required) == 2
 
 
 def _part_source(make_dataset: Callable[..., Any], rank: int, num_ranks: int) -> Any:
@@ -213,9 +230,9 @@ def _part_source(make_dataset: Callable[..., Any], rank: int, num_ranks: int) ->
     return itertools.islice(iter(source), rank, None, num_ranks)
 
 
-def _adopt_intent(job: _Job, schema: Schema, fingerprint: str | None) -> _Intent:
-    """Create the job's intent, or read the one another rank created and check it."""
-    mine = _Intent(new_build_id(), job.num_ranks, schema, fingerprint)
+def _adopt_intent(job: _Job, schema: Schema, fingerprint: str | None, split: str) -> _Intent:
+    """Create the attempt's intent, or read the one another rank created and check it."""
+    mine = _Intent(new_build_id(), job.num_ranks, schema, fingerprint, job.attempt, split)
     key = job.intent_key()
     try:
         job.backend.put_exclusive(key, mine.to_json())
@@ -231,6 +248,11 @@ def _adopt_intent(job: _Job, schema: Schema, fingerprint: str | None) -> _Intent
         what.append("another schema")
     if theirs.fingerprint != fingerprint:
         what.append(f"source fingerprint {theirs.fingerprint!r:.200}")
+    if theirs.attempt != job.attempt:
+        what.append(f"attempt {theirs.attempt!r:.200}")
+    if theirs.split != split:
+        how = {"caller": "make_dataset(rank, num_ranks)", "stride": "every n-th element"}
+        what.append(f"its source split by {how[theirs.split]}")
     if what:
         raise StaleCacheError(
             f"{where} belongs to a build of {job.name} with {', '.join(what)}, not this "
@@ -355,10 +377,11 @@ def _wait_and_commit(
             missing = _missing_parts(job, intent, waiting, all_of_them=True)
             if missing:
                 raise BuildTimeoutError(
-                    f"caching {job.name} on {job.num_ranks} ranks: after {timeout}s rank "
-                    f"{job.rank} still misses the parts of ranks {missing} (build "
-                    f"{intent.build_id}); nothing was committed. Start every rank again: "
-                    "finished parts are kept and reused"
+                    f"caching {job.name} on {job.num_ranks} ranks (attempt "
+                    f"{job.attempt!r:.100}): rank {job.rank} stopped waiting after {timeout}s "
+                    f"for the parts of ranks {missing} and commits nothing (the other ranks "
+                    "commit if those parts still arrive); if those ranks failed, start every "
+                    "rank again with a new attempt"
                 )
             break
         time.sleep(pause)
@@ -392,6 +415,7 @@ def build_parallel(
     *,
     rank: int,
     num_ranks: int,
+    attempt: str,
     spec: Any,
     chunk_bytes: int,
     progress: Progress | None,
@@ -399,7 +423,7 @@ def build_parallel(
     timeout: float | None,
 ) -> DatasetRef:
     """Take part in a parallel first pass as ``rank`` of ``num_ranks``: ``Store.cache_parallel``."""
-    job = _Job(store, dataset_id, version, rank, num_ranks)
+    job = _Job(store, dataset_id, version, rank, num_ranks, attempt)
     options = BuildOptions(fingerprint=fingerprint)
     committed = store._read_manifest(dataset_id, version)
     if committed is None:
@@ -420,7 +444,8 @@ def build_parallel(
         if committed is not None:
             from yogastore.store import DatasetRef
 
-            check_fingerprint(committed, options.fingerprint)
+            with _no_rebuild_advice():
+                check_fingerprint(committed, options.fingerprint)
             return DatasetRef(store, committed, element_spec)
         committed = store._read_manifest(dataset_id, version)  # committed meanwhile
         if committed is None:
@@ -429,7 +454,20 @@ def build_parallel(
     def whole() -> Any:
         return make_dataset(rank, num_ranks) if _takes_shard(make_dataset) else make_dataset()
 
-    return store._hit(committed, whole, spec, options)
+    with _no_rebuild_advice():
+        return store._hit(committed, whole, spec, options)
+
+
+@contextlib.contextmanager
+def _no_rebuild_advice() -> Iterator[None]:
+    """Turn ``cache``'s "pass rebuild=True" advice into what ``cache_parallel`` offers."""
+    try:
+        yield
+    except StaleCacheError as err:
+        raise StaleCacheError(
+            f"{err} (cache_parallel has no rebuild=: delete the version, then cache it "
+            "again, or use a new version)"
+        ) from err
 
 
 def _take_part(
@@ -446,22 +484,26 @@ def _take_part(
     source = _part_source(make_dataset, job.rank, job.num_ranks)
     total = check_source_size(source, job.name, options)
     schema, items, element_spec = store._prepare(source, spec)
+    split = "caller" if _takes_shard(make_dataset) else "stride"
     with store.backend.lock(job.name, timeout=store.lock_timeout):
         if store._read_manifest(job.dataset_id, job.version) is not None:
             return None, None  # committed meanwhile: checked as a hit
-        intent = _adopt_intent(job, schema, options.fingerprint)
-    try:
-        _read_part(job, intent, job.rank)
-        logger.info("%s: part %d of %d is there already", job.name, job.rank, job.num_ranks)
-    except KeyNotFoundError:
-        label = f"caching {job.name} part {job.rank}/{job.num_ranks}"
-        _write_part(
-            job,
-            intent,
-            items,
-            chunk_bytes=chunk_bytes,
-            progress=progress or default_progress(label, total),
+        intent = _adopt_intent(job, schema, options.fingerprint, split)
+    if job.backend.exists(job.part_key(intent.build_id, job.rank)):
+        raise StaleCacheError(
+            f"caching {job.name}: part {job.rank} of {job.num_ranks} of attempt "
+            f"{job.attempt!r:.100} is written already: two processes run as rank {job.rank}, "
+            "or this attempt was started before (its part may come from another source); "
+            "give every launch a new attempt"
         )
+    label = f"caching {job.name} part {job.rank}/{job.num_ranks}"
+    _write_part(
+        job,
+        intent,
+        items,
+        chunk_bytes=chunk_bytes,
+        progress=progress or default_progress(label, total),
+    )
     committed = _wait_and_commit(job, intent, timeout, chunk_bytes)
     check_schema(committed, schema)
     return committed, element_spec if committed.schema == schema else None
