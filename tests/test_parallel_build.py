@@ -25,7 +25,7 @@ import pytest
 import yogastore as y
 from tests.backends.s3_support import shared_moto_bucket
 from tests.parallel_support import SPEC, blob, rank_worker, read_all, records, strided_order
-from yogastore.build.parallel import held_rank_locks, intent_key
+from yogastore.build.parallel import attempt_digest, held_rank_locks, intent_key
 
 CTX = multiprocessing.get_context("spawn")
 N = 600
@@ -177,14 +177,14 @@ def one_rank_times_out(store: y.Store, source: Any = None, **options: Any) -> No
         )
 
 
-def two_ranks(store: y.Store, source: Any, attempt: str) -> list[y.DatasetRef]:
+def two_ranks(store: y.Store, source: Any, attempt: str, **options: Any) -> list[y.DatasetRef]:
     """Run ranks 0 and 1 of one attempt in threads; return their refs."""
     refs: dict[int, y.DatasetRef] = {}
 
     def rank(r: int) -> None:
         refs[r] = store.cache_parallel(
             "ds", "1", source, rank=r, num_ranks=2, attempt=attempt, spec=SPEC,
-            progress=y.NullProgress(), timeout=30,
+            progress=y.NullProgress(), timeout=30, **options,
         )  # fmt: skip
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
@@ -251,12 +251,15 @@ def test_an_intent_of_another_source_is_refused(store_dir: Path) -> None:
                 fingerprint=fingerprint, timeout=0.1,
             )  # fmt: skip
         assert key in str(err.value) and what in str(err.value)
-    # Rank 1 of the same attempt, late, completes the build with rank 0's part.
-    ref = store.cache_parallel(
-        "ds", "1", lambda: records(50), rank=1, num_ranks=2, attempt="a1", spec=SPEC,
-        fingerprint="v1", progress=y.NullProgress(),
-    )  # fmt: skip
-    assert read_all(ref) == strided_order(50, 2)
+    # Rank 1 of that attempt, late: rank 0 gave up, so its part is not trusted.
+    with pytest.raises(y.StaleCacheError, match=r"ranks \[0\] were written by processes that"):
+        store.cache_parallel(
+            "ds", "1", lambda: records(50), rank=1, num_ranks=2, attempt="a1", spec=SPEC,
+            fingerprint="v1", progress=y.NullProgress(),
+        )  # fmt: skip
+    assert store.list() == []
+    refs = two_ranks(store, lambda: records(50), "a2", fingerprint="v1")
+    assert read_all(refs[0]) == strided_order(50, 2)
 
 
 def test_list_gc_and_delete_handle_leftovers(store_dir: Path) -> None:
@@ -267,7 +270,7 @@ def test_list_gc_and_delete_handle_leftovers(store_dir: Path) -> None:
     assert store.list() == [] and store.versions() == [("ds", "1")]
     # A rank still running (its lock held) keeps gc and delete away.
     assert not store.building("ds", "1")
-    with held_rank_locks(store.backend, "ds", "1", [2], None):
+    with held_rank_locks(store.backend, "ds", "1", [(2, attempt_digest("a1"))], None):
         assert store.building("ds", "1")
         assert store.gc() == []
         with pytest.raises(y.LockTimeoutError):
@@ -378,3 +381,27 @@ def test_distributed_helper_names_the_attempt_and_explains_a_missing_horovod(
     except ImportError:
         with pytest.raises(y.InvalidArgumentError, match="pass strategy="):
             yd.cache_parallel(store, "ds", "2", lambda: records(20), spec=SPEC)
+
+
+def test_two_launches_at_once_end_with_one_dataset(store_dir: Path) -> None:
+    """Rank locks are per attempt: concurrent launches do not wait for each other's ranks."""
+    store = y.Store(store_dir)
+    refs: dict[tuple[str, int], Any] = {}
+
+    def rank(attempt: str, r: int) -> None:
+        try:
+            refs[attempt, r] = store.cache_parallel(
+                "ds", "1", lambda: shifted(40, 0), rank=r, num_ranks=2, attempt=attempt,
+                spec=SPEC, progress=y.NullProgress(), timeout=60,
+            )  # fmt: skip
+        except Exception as err:  # reported below
+            refs[attempt, r] = err
+
+    threads = [threading.Thread(target=rank, args=(a, r)) for a in ("x", "y") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(isinstance(v, y.DatasetRef) for v in refs.values()), refs
+    assert len({v.manifest.build_id for v in refs.values()}) == 1
+    assert sorted(read_all(refs["x", 0])) == list(range(40))

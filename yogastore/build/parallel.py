@@ -53,6 +53,7 @@ from storage_backends.errors import (
     InvalidArgumentError,
     KeyExistsError,
     KeyNotFoundError,
+    LockTimeoutError,
     StaleCacheError,
 )
 from yogastore import boundedjson
@@ -88,16 +89,20 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_INTENT_NAME = re.compile(r"intent-n([0-9]+)-[0-9a-f]{16}\.json")
+_INTENT_NAME = re.compile(r"intent-n([0-9]+)-([0-9a-f]{16})\.json")
 _FORMAT = "yogastore-parallel-intent"
 _FIRST_POLL = 0.05
 _MAX_POLL = 2.0
 
 
+def attempt_digest(attempt: str) -> str:
+    """Return the 16 hex digits that stand for an attempt's name in keys and lock names."""
+    return xxhash.xxh3_64_hexdigest(attempt.encode())
+
+
 def intent_key(dataset_id: str, version: str, num_ranks: int, attempt: str) -> str:
     """Return the key of the intent of one attempt of a parallel build of ``num_ranks`` ranks."""
-    digest = xxhash.xxh3_64_hexdigest(attempt.encode())
-    return f"{dataset_id}/{version}/intent-n{num_ranks}-{digest}.json"
+    return f"{dataset_id}/{version}/intent-n{num_ranks}-{attempt_digest(attempt)}.json"
 
 
 def part_key(dataset_id: str, version: str, build_id: str, rank: int) -> str:
@@ -105,28 +110,34 @@ def part_key(dataset_id: str, version: str, build_id: str, rank: int) -> str:
     return f"{dataset_id}/{version}/part-{build_id}-r{rank}.json"
 
 
-def rank_lock_name(dataset_id: str, version: str, num_ranks: int, rank: int) -> str:
-    """Return the name of the lock a rank holds while it takes part in a build."""
-    return f"{dataset_id}/{version}..n{num_ranks}-r{rank}"
+def rank_lock_name(dataset_id: str, version: str, num_ranks: int, digest: str, rank: int) -> str:
+    """Return the name of the lock a rank of one attempt holds while it takes part in it."""
+    return f"{dataset_id}/{version}..n{num_ranks}-{digest}-r{rank}"
 
 
-def intent_ranks(keys: Iterable[str], prefix: str) -> list[int]:
-    """Return the rank counts of the parallel builds whose intents are among ``keys``."""
+def intent_ranks(keys: Iterable[str], prefix: str) -> list[tuple[int, str]]:
+    """Return (rank count, attempt digest) of the parallel builds whose intents are in ``keys``."""
     found = (_INTENT_NAME.fullmatch(key[len(prefix) :]) for key in keys if key.startswith(prefix))
-    return sorted(int(m.group(1)) for m in found if m is not None)
+    return sorted((int(m.group(1)), m.group(2)) for m in found if m is not None)
 
 
 @contextlib.contextmanager
 def held_rank_locks(
-    backend: Backend, dataset_id: str, version: str, counts: Iterable[int], timeout: float | None
+    backend: Backend,
+    dataset_id: str,
+    version: str,
+    attempts: Iterable[tuple[int, str]],
+    timeout: float | None,
 ) -> Iterator[None]:
-    """Hold every rank lock of parallel builds of ``counts`` ranks; remove them on exit.
+    """Hold every rank lock of the parallel builds ``attempts`` (``intent_ranks``); remove them.
 
     Raises:
         LockTimeoutError: a rank is still running after ``timeout`` seconds.
     """
     names = [
-        rank_lock_name(dataset_id, version, n, r) for n in sorted(set(counts)) for r in range(n)
+        rank_lock_name(dataset_id, version, n, digest, r)
+        for n, digest in sorted(set(attempts))
+        for r in range(n)
     ]
     with contextlib.ExitStack() as held:
         for name in names:
@@ -205,6 +216,28 @@ class _Job:
 
     def part_key(self, build_id: str, rank: int) -> str:
         return part_key(self.dataset_id, self.version, build_id, rank)
+
+    def lock_name(self, rank: int) -> str:
+        digest = attempt_digest(self.attempt)
+        return rank_lock_name(self.dataset_id, self.version, self.num_ranks, digest, rank)
+
+    def rank_is_running(self, rank: int) -> bool:
+        """Whether a process holds rank ``rank``'s lock of this attempt (it is taking part)."""
+        try:
+            with self.backend.lock(self.lock_name(rank), timeout=0):
+                return False
+        except LockTimeoutError:
+            return True
+
+    def refuse_own_part(self, build_id: str) -> None:
+        """Refuse to run as a rank whose part of this attempt is written already."""
+        if self.backend.exists(self.part_key(build_id, self.rank)):
+            raise StaleCacheError(
+                f"caching {self.name}: part {self.rank} of {self.num_ranks} of attempt "
+                f"{self.attempt!r:.100} is written already: two processes run as rank "
+                f"{self.rank}, or this attempt was started before (its part may come from "
+                "another source); give every launch a new attempt"
+            )
 
 
 def _takes_shard(make_dataset: Callable[..., Any]) -> bool:
@@ -386,6 +419,21 @@ def _wait_and_commit(
             break
         time.sleep(pause)
         pause = min(pause * 1.5, _MAX_POLL)
+    # Every other part must come from a rank of this launch: its writer waits,
+    # holding its rank lock, until the commit. A part without a running writer
+    # was left by an earlier launch under this attempt's name (or by a rank
+    # that gave up): committing it could mix in records of another source.
+    gone = [r for r in range(job.num_ranks) if r != job.rank and not job.rank_is_running(r)]
+    committed = job.store._read_manifest(job.dataset_id, job.version)
+    if committed is not None:
+        return committed
+    if gone:
+        raise StaleCacheError(
+            f"caching {job.name} on {job.num_ranks} ranks (attempt {job.attempt!r:.100}): "
+            f"the parts of ranks {gone} were written by processes that are not running any "
+            "more (an earlier launch used this attempt's name, or those ranks gave up); "
+            "nothing was committed: start every rank again with a new attempt"
+        )
     try:
         manifest = _assemble(job, intent, chunk_bytes)
         commit_manifest(job.backend, manifest)
@@ -433,7 +481,16 @@ def build_parallel(
                 f"caching {job.name} on {num_ranks} ranks needs exclusive puts that hold "
                 f"across processes, and {store.url} cannot promise them: {problem}"
             )
-        lock = rank_lock_name(dataset_id, version, num_ranks, rank)
+        # Before taking the rank lock (a committer reads a held lock as "this
+        # rank's part is from this launch"): a part of ours from an earlier
+        # launch of this attempt is refused now.
+        try:
+            known = _Intent.from_json(job.backend.get(job.intent_key()), job.intent_key())
+        except KeyNotFoundError:
+            known = None
+        if known is not None:
+            job.refuse_own_part(known.build_id)
+        lock = job.lock_name(rank)
         with store.backend.lock(lock, timeout=store.lock_timeout):
             try:
                 committed, element_spec = _take_part(
@@ -488,14 +545,15 @@ def _take_part(
     with store.backend.lock(job.name, timeout=store.lock_timeout):
         if store._read_manifest(job.dataset_id, job.version) is not None:
             return None, None  # committed meanwhile: checked as a hit
-        intent = _adopt_intent(job, schema, options.fingerprint, split)
-    if job.backend.exists(job.part_key(intent.build_id, job.rank)):
-        raise StaleCacheError(
-            f"caching {job.name}: part {job.rank} of {job.num_ranks} of attempt "
-            f"{job.attempt!r:.100} is written already: two processes run as rank {job.rank}, "
-            "or this attempt was started before (its part may come from another source); "
-            "give every launch a new attempt"
-        )
+        try:
+            intent = _adopt_intent(job, schema, options.fingerprint, split)
+        except KeyNotFoundError:
+            # The intent went between our exclusive put and our read: a rank
+            # committed and swept it. That commit is the answer.
+            if store._read_manifest(job.dataset_id, job.version) is not None:
+                return None, None
+            raise
+    job.refuse_own_part(intent.build_id)
     label = f"caching {job.name} part {job.rank}/{job.num_ranks}"
     _write_part(
         job,
