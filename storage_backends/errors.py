@@ -12,6 +12,7 @@ __all__ = [
     "AccessDeniedError",
     "BackendUnavailableError",
     "BuildLimitError",
+    "BuildTimeoutError",
     "CoordinationError",
     "CorruptCacheError",
     "DatasetNotFoundError",
@@ -79,6 +80,10 @@ class LockLostError(StorageError):
 
 class LockTimeoutError(YogaStoreError, TimeoutError):
     """Waiting for another builder took longer than allowed."""
+
+
+class BuildTimeoutError(YogaStoreError, TimeoutError):
+    """A rank of a parallel first pass waited too long for the parts of the other ranks."""
 
 
 class StaleCacheError(YogaStoreError, ValueError):

@@ -76,6 +76,8 @@ logger = logging.getLogger(__name__)
 _DATA_FILE = DATA_FILE
 _LOCK_FILE = "lock.mdb"
 _INITIAL_MAP_SIZE = 1 << 34  # address space only; the file grows as written
+_OPEN_ATTEMPTS = 3  # a version opened for reading while another process rebuilds it
+_REOPEN_PAUSE = 0.02
 _LOCK_SUFFIX = ".lock"
 _WRITE_MARGIN = 1 << 20  # bytes beyond a value a commit may need (pages, metas)
 # LMDB failures that mean the file itself is damaged.
@@ -451,14 +453,23 @@ class LmdbBackend(Backend):
         if not create and not os.path.exists(data):
             check_files(path)  # a version "directory" that is a file is damage
             return None
-        try:
-            entry = lmdb_env.acquire(str(path), data, lambda: _open(path, create), _stale)
-        except (StorageError, CorruptCacheError):
-            if not create and not os.path.exists(data):
-                return None  # deleted by another process while being opened: missing
-            raise
-        opened: _Env = entry.extra
-        return opened
+        attempt = 0
+        while True:
+            try:
+                entry = lmdb_env.acquire(str(path), data, lambda: _open(path, create), _stale)
+            except (StorageError, CorruptCacheError):
+                if not create and not os.path.exists(data):
+                    return None  # deleted by another process while being opened: missing
+                if create or attempt == _OPEN_ATTEMPTS - 1:
+                    raise
+                # Deleted and created again (a rebuild) while this process opened
+                # it: what failed may be the old file's removal or the new one's
+                # first pages. Open what is there now.
+                attempt += 1
+                time.sleep(_REOPEN_PAUSE * attempt)
+                continue
+            opened: _Env = entry.extra
+            return opened
 
     def _check_mapped(self, key: str) -> None:
         # One fstat of the environment's data file, if this process has it open

@@ -251,6 +251,33 @@ def test_horovod_example_two_ranks(tmp_path: Path) -> None:
         assert result["evaluated"] == records
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.horovod
+@pytest.mark.skipif(horovod_missing() is not None, reason=str(horovod_missing()))
+def test_horovod_parallel_build_example_two_ranks(tmp_path: Path) -> None:
+    records = 256
+    cmd = [
+        str(BIN / "horovodrun"), "-np", "2", "--gloo", "-H", "localhost:2",
+        "--network-interface", "lo",
+        sys.executable, str(EXAMPLES / "horovod_parallel_build.py"),
+        *example_flags(tmp_path, records, 1),
+    ]  # fmt: skip
+    run(cmd, tmp_path / "horovod.log", timeout=240)
+    ref = open_dataset(tmp_path / "store")
+    results = [json.loads((tmp_path / "out" / f"result-rank{r}.json").read_text()) for r in (0, 1)]
+    assert {r["build_id"] for r in results} == {ref.manifest.build_id}
+    assert {r["num_records"] for r in results} == {records}
+    # Each rank wrote its part: rank 0's records (even ids) first, then rank 1's.
+    stored = [int(i) for b in ref.stream(shuffle=False).batches(64) for i in b["id"]]
+    assert stored == [*range(0, records, 2), *range(1, records, 2)]
+    assert {key.split("-")[-2] for key in (c.key for c in ref.manifest.chunks)} == {"r0", "r1"}
+    # Then each read its shard of epoch 0 (record indices -> the ids stored there).
+    for r, result in enumerate(results):
+        assert result["ids"] == [stored[i] for i in shard_order(ref, r, 2, 0, records // 2)]
+    assert sorted(results[0]["ids"] + results[1]["ids"]) == list(range(records))
+
+
 # tf.distribute ----------------------------------------------------------------------
 
 

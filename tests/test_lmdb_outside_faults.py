@@ -178,14 +178,16 @@ READER = textwrap.dedent(
         return first if values == list(range(first, first + ref.num_records)) else "WRONG"
     read()
     print("ready", flush=True)
-    seen = {}
+    seen, odd = {}, []
     while not os.path.exists(stop):
         try:
             outcome = "read" if read() != "WRONG" else "WRONG"
         except yogastore.YogaStoreError as err:
             outcome = type(err).__name__
+            if outcome not in ("DatasetNotFoundError", "DatasetChangedError"):
+                odd.append(f"{outcome}: {err}"[:400])
         seen[outcome] = seen.get(outcome, 0) + 1
-    print(json.dumps({"seen": seen, "last": read()}))
+    print(json.dumps({"seen": seen, "odd": odd[:5], "last": read()}))
     """
 )
 

@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import signal
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,9 @@ from tests.backends.s3_support import (
     build_worker,
     check_batch,
     counted_records,
-    create_bucket,
-    fake_credentials,
-    moto_endpoint,
     read_worker,
     records,
+    shared_moto_bucket,
     slow_builder,
 )
 from yogastore.format.blocks import block_size
@@ -40,12 +37,7 @@ CTX = multiprocessing.get_context("spawn")
 
 @pytest.fixture
 def bucket(monkeypatch: pytest.MonkeyPatch) -> str:
-    fake_credentials(monkeypatch)
-    endpoint = moto_endpoint()
-    monkeypatch.setenv("YOGASTORE_S3_ENDPOINT_URL", endpoint)  # inherited by the children
-    name = f"mp-{uuid.uuid4().hex[:12]}"
-    create_bucket(endpoint, name)
-    return name
+    return shared_moto_bucket(monkeypatch, "mp")
 
 
 def collect(queue: Any, processes: list[Any], timeout: float = 120) -> list[Any]:

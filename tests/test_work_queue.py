@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import yogastore as y
-from tests.backends.s3_support import create_bucket, fake_credentials, moto_endpoint
+from tests.backends.s3_support import shared_moto_bucket
 from tests.queue_support import build, queue_worker, read_ids
 from yogastore.queue.work_queue import lockstep
 
@@ -281,12 +281,7 @@ def test_processes_slow_and_killed_worker_local(store_dir: Path, tmp_path: Path)
 def test_processes_slow_and_killed_worker_s3(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake_credentials(monkeypatch)
-    endpoint = moto_endpoint()
-    monkeypatch.setenv("YOGASTORE_S3_ENDPOINT_URL", endpoint)
-    bucket = f"q-{uuid.uuid4().hex[:10]}"
-    create_bucket(endpoint, bucket)
-    url = f"s3://{bucket}/store"
+    url = f"s3://{shared_moto_bucket(monkeypatch, 'q')}/store"
     n = 2000
     build(url, n)
     # Requests to a moto server in the test process are slow (tens of ms): a

@@ -9,6 +9,8 @@
   moves the position (and, after the epoch's last step, on to the next epoch).
 * ``horovod_dataset`` / ``horovod_stream``: the same for ``hvd.rank()`` of
   ``hvd.size()``.
+* ``cache_parallel``: the first pass on every process of the job, each writing
+  its part (``Store.cache_parallel`` with ``worker_rank()`` filled in).
 * ``dataset_fn``: the function ``strategy.distribute_datasets_from_function``
   wants; input pipeline ``i`` of ``n`` reads shard ``i`` of ``n``.
 * ``PositionCallback`` (from ``yogastore.keras_callback``, imported with Keras
@@ -40,7 +42,13 @@ import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
 from yogastore.checks import check_int
-from yogastore.train.launchers import dataset_fn, horovod_dataset, horovod_stream
+from yogastore.train.launchers import (
+    cache_parallel,
+    dataset_fn,
+    horovod_dataset,
+    horovod_stream,
+    worker_rank,
+)
 from yogastore.train.position import EpochRest, Position
 from yogastore.train.steps import EpochSize, Remainder
 
@@ -52,9 +60,11 @@ __all__ = [
     "PositionCallback",
     "Remainder",
     "StreamPosition",
+    "cache_parallel",
     "dataset_fn",
     "horovod_dataset",
     "horovod_stream",
+    "worker_rank",
 ]
 
 

@@ -1,11 +1,12 @@
 """Housekeeping of a store: which versions are yogastore's own, and garbage collection.
 
 Only what a build writes counts as a dataset version: ``<id>/<version>/``
-holding nothing but ``manifest.json`` and chunks ``c-<build id>-<n>``, under
-names ``validate_name`` accepts. Anything else under a store's root (another
-program's LMDB files, a folder with files of its own) is never listed,
-collected nor deleted: pointing ``--store`` at a directory that holds other
-data must not lose that data.
+holding nothing but ``manifest.json``, chunks ``c-<build id>-<n>`` (or
+``c-<build id>-r<rank>-<n>``) and the intents and parts of a parallel first
+pass (``yogastore.build.parallel``), under names ``validate_name`` accepts.
+Anything else under a store's root (another program's LMDB files, a folder
+with files of its own) is never listed, collected nor deleted: pointing
+``--store`` at a directory that holds other data must not lose that data.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from storage_backends.errors import (
     LockTimeoutError,
     StorageError,
 )
+from yogastore.build.parallel import held_rank_locks, intent_ranks
 from yogastore.format.manifest import MANIFEST, validate_name
 
 if TYPE_CHECKING:
@@ -31,12 +33,16 @@ __all__ = ["check_own", "collect_garbage", "is_own_key", "own_versions"]
 
 logger = logging.getLogger(__name__)
 
-# What a build writes in a version besides its manifest: c-<build id>-<n>.
-_CHUNK_NAME = re.compile(r"c-[0-9A-Za-z_-]+-[0-9]+")
+# What builds write in a version besides its manifest: chunks c-<build id>-<n>
+# (c-<build id>-r<rank>-<n> in a parallel first pass), and a parallel first
+# pass's intent-n<ranks>-<attempt digest>.json and part-<build id>-r<rank>.json.
+_OWN_NAME = re.compile(
+    r"c-[0-9A-Za-z_-]+-[0-9]+|intent-n[0-9]+-[0-9a-f]{16}\.json|part-[0-9A-Za-z_-]+-r[0-9]+\.json"
+)
 
 
 def _is_own_name(name: str) -> bool:
-    return name == MANIFEST or _CHUNK_NAME.fullmatch(name) is not None
+    return name == MANIFEST or _OWN_NAME.fullmatch(name) is not None
 
 
 def is_own_key(prefix: str, key: str) -> bool:
@@ -127,9 +133,16 @@ def _collect(store: Store, dataset_id: str, version: str) -> GcEntry | None:
     if not keys or not all(is_own_key(prefix, key) for key in keys):
         return None  # changed since listed: gone, damaged or not ours
     if manifest is None:
-        freed = backend.disk_usage(prefix)
-        backend.delete_prefix(prefix)
-        backend.delete_lock(name)
+        try:
+            # The ranks of a parallel build hold their locks while it runs.
+            ranks = held_rank_locks(backend, dataset_id, version, intent_ranks(keys, prefix), 0)
+            with ranks:
+                freed = backend.disk_usage(prefix)
+                backend.delete_prefix(prefix)
+                backend.delete_lock(name)
+        except LockTimeoutError:
+            logger.info("gc: %s is being built in parallel; left alone", name)
+            return None
         return GcEntry(dataset_id, version, len(keys), freed, False)
     keep = manifest.keys()
     stale = [key for key in keys if key not in keep]

@@ -32,6 +32,7 @@ from yogastore.build.buildcheck import (
     delete_build,
     guarded_items,
 )
+from yogastore.build.parallel import held_rank_locks, intent_ranks
 from yogastore.build.progress import Progress, default_progress
 from yogastore.build.writer import new_build_id, records_from_iterable, write_dataset
 from yogastore.checks import check_int, explain_keyword_only
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_BLOCK_WINDOW = 4
+#: Seconds a rank of ``Store.cache_parallel`` waits for the other ranks' parts.
+DEFAULT_PARALLEL_TIMEOUT = 3600.0
 #: ``Store`` keywords that set a field of its ``ReadOptions`` (not backend options).
 _READ_KEYWORDS = ("cache_dir", "cache_bytes")
 
@@ -491,6 +494,106 @@ class Store:
                 logger.info("%s: rebuilt, replacing build %s", manifest.where, replaces.build_id)
         return DatasetRef(self, manifest, element_spec)
 
+    def cache_parallel(
+        self,
+        dataset_id: str,
+        version: str = "1",
+        make_dataset: Callable[..., Any] | None = None,
+        *,
+        rank: int,
+        num_ranks: int,
+        attempt: str,
+        spec: Any = None,
+        chunk_bytes: int | None = None,
+        progress: Progress | None = None,
+        fingerprint: str | Mapping[str, Any] | None = None,
+        timeout: float | None = DEFAULT_PARALLEL_TIMEOUT,
+    ) -> DatasetRef:
+        """Like ``cache``, with every rank of a job writing its part of the first pass.
+
+        Call it on every rank ``0 <= rank < num_ranks``, with the same source.
+        Each rank writes the chunks of its part; once every part is there, one
+        manifest commits the whole dataset, and every rank returns the same
+        ``DatasetRef``. A committed version is a hit, as with ``cache``.
+
+        The part of a rank: ``make_dataset(rank, num_ranks)`` when
+        ``make_dataset`` has exactly two required positional parameters (it
+        returns that rank's records only, so no rank reads the others'); otherwise
+        ``make_dataset()`` is the whole source and the rank takes
+        ``source.shard(num_ranks, rank)`` of a ``tf.data.Dataset`` or every
+        ``num_ranks``-th element from ``rank`` of an iterable (each rank then
+        iterates the whole source). Records are stored part after part in
+        rank order: the order depends only on the source and ``num_ranks``.
+
+        ``attempt`` names this launch of the job: every rank of one launch
+        passes the same text, and a launch started again after a failure
+        passes a new one (a job id, a launch time the launcher hands to every
+        rank; ``yogastore.distributed.cache_parallel`` makes one). Parts of
+        other attempts are never used: a rerun writes every part again. A
+        rank that finds its own part of its attempt already written (two
+        processes with one rank, or an attempt name used again) raises
+        ``StaleCacheError``. A rank that does not see every other part within
+        ``timeout`` seconds of finishing its own raises ``BuildTimeoutError``
+        naming the missing ranks; it commits nothing (the others may still
+        commit if the missing parts arrive).
+
+        Args:
+            dataset_id: dataset name.
+            version: version name.
+            make_dataset: returns the source or, given ``(rank, num_ranks)``,
+                this rank's part of it (see above).
+            rank: this rank.
+            num_ranks: number of ranks taking part.
+            attempt: the name of this launch, the same on every rank, new
+                for every launch (1-200 printable characters).
+            spec: for iterables, a nest of ``ComponentSpec`` (or of ``tf.TypeSpec``).
+            chunk_bytes: target chunk size (default: the store's).
+            progress: progress sink for this rank's part.
+            fingerprint: what identifies the source (see ``cache``).
+            timeout: seconds to wait for the other ranks' parts (``None``: forever).
+
+        Raises:
+            BuildTimeoutError: a part was still missing after ``timeout``.
+            StaleCacheError: the committed version, or another parallel build
+                of it in progress or abandoned, has another schema or fingerprint.
+            InvalidArgumentError: an argument is out of range, or the store
+                cannot promise exclusive puts across processes.
+        """
+        from yogastore.build.parallel import build_parallel
+
+        validate_name(dataset_id, "dataset id")
+        validate_name(version, "version")
+        if make_dataset is None or not callable(make_dataset):
+            raise InvalidArgumentError("make_dataset must be a callable returning the dataset")
+        num_ranks = check_int("num_ranks", num_ranks, 1)
+        rank = check_int("rank", rank, 0, num_ranks - 1)
+        if (
+            not isinstance(attempt, str)
+            or not 1 <= len(attempt) <= 200
+            or not attempt.isprintable()
+        ):
+            raise InvalidArgumentError(
+                f"attempt must be 1-200 printable characters naming this launch, got {attempt!r}"
+            )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
+        ):
+            raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        return build_parallel(
+            self,
+            dataset_id,
+            version,
+            make_dataset,
+            rank=rank,
+            num_ranks=num_ranks,
+            attempt=attempt,
+            spec=spec,
+            chunk_bytes=check_int("chunk_bytes", chunk_bytes or self.chunk_bytes, 1),
+            progress=progress,
+            fingerprint=canonical_fingerprint(fingerprint),
+            timeout=timeout,
+        )
+
     def _hit(
         self,
         manifest: Manifest,
@@ -679,7 +782,8 @@ class Store:
         """Return the (dataset id, version) pairs that have keys, committed or not, sorted.
 
         Only yogastore's own versions count: ``<id>/<version>/`` holding
-        nothing but a ``manifest.json`` and chunks ``c-<build>-<n>``, under
+        nothing but a ``manifest.json``, chunks ``c-<build>-<n>`` and the
+        intents and parts of parallel builds (``cache_parallel``), under
         valid names. Anything else found under the store's root (another
         program's LMDB files, say) is never listed, collected nor deleted.
         A damaged local version is skipped with a warning.
@@ -689,16 +793,21 @@ class Store:
     def building(self, dataset_id: str, version: str = "1") -> bool:
         """Return whether a build of this version holds its lock right now.
 
-        Takes the lock for an instant when it is free (on an object store that
-        writes and deletes the lock object); asking about a version that does
-        not exist leaves nothing behind.
+        A rank of a parallel build (``cache_parallel``) holding its lock counts
+        too. Takes the locks for an instant when they are free (on an object
+        store that writes and deletes the lock objects); asking about a version
+        that does not exist leaves nothing behind.
         """
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
         name = f"{dataset_id}/{version}"
         try:
             with self.backend.lock(name, timeout=0):
-                if not self.backend.list(name + "/"):
+                keys = self.backend.list(name + "/")
+                counts = intent_ranks(keys, name + "/")
+                with held_rank_locks(self.backend, dataset_id, version, counts, 0):
+                    pass
+                if not keys:
                     self.backend.delete_lock(name)
                 return False
         except LockTimeoutError:
@@ -712,7 +821,8 @@ class Store:
         lock (and the dataset's directory with its last version), and last
         the keys of its work queue jobs. A local version whose file is damaged
         is removed without opening it. Waits for a build in progress (up to
-        ``lock_timeout``).
+        ``lock_timeout``), including every rank of a parallel one
+        (``cache_parallel``), whose intents and parts go too.
 
         Raises:
             DatasetNotFoundError: nothing of that version is in the store.
@@ -731,9 +841,12 @@ class Store:
             housekeeping.check_own(keys, prefix, self.url)
             present = bool(keys) or self.backend.disk_usage(prefix) > 0
             committed = manifest_key(dataset_id, version)
-            if committed in keys:
-                self.backend.delete(committed)
-            self.backend.delete_prefix(prefix)
+            # Ranks of a parallel build still running hold their locks.
+            counts = intent_ranks(keys, prefix)
+            with held_rank_locks(self.backend, dataset_id, version, counts, self.lock_timeout):
+                if committed in keys:
+                    self.backend.delete(committed)
+                self.backend.delete_prefix(prefix)
             self.backend.delete_lock(name)
         queues = queue_prefix(dataset_id, version)
         queue_keys = self.backend.list(queues)

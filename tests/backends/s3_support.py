@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,19 @@ def create_bucket(endpoint: str | None, bucket: str) -> None:
     # keeps the first ones it found for the life of the process).
     client = boto3.session.Session().client("s3", region_name=REGION, endpoint_url=endpoint)
     client.create_bucket(Bucket=bucket)
+
+
+def shared_moto_bucket(monkeypatch: pytest.MonkeyPatch, prefix: str) -> str:
+    """Create a bucket on the moto server that child processes reach too; return its name.
+
+    Sets fake credentials and ``YOGASTORE_S3_ENDPOINT_URL`` (inherited by children).
+    """
+    fake_credentials(monkeypatch)
+    endpoint = moto_endpoint()
+    monkeypatch.setenv("YOGASTORE_S3_ENDPOINT_URL", endpoint)
+    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    create_bucket(endpoint, name)
+    return name
 
 
 def blob(i: int) -> bytes:

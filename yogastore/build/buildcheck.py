@@ -25,10 +25,10 @@ from storage_backends.errors import (
     StaleCacheError,
     StorageError,
 )
+from yogastore.build.writer import SourceItem, chunk_key_prefix
 from yogastore.checks import check_int
 from yogastore.format.manifest import Manifest
 from yogastore.spec import ComponentSpec, Kind, Schema
-from yogastore.build.writer import SourceItem, chunk_key_prefix
 
 __all__ = [
     "BuildOptions",

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from yogastore.spec import Kind, RaggedValue, Schema, SparseValue, row_bytes
 from yogastore.read.stream import splittable
+from yogastore.spec import Kind, RaggedValue, Schema, SparseValue, row_bytes
 
 __all__ = ["dataset_items", "numpy_records"]
 

@@ -10,6 +10,7 @@ commit point, so a build that dies at any moment leaves nothing readable.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import socket
@@ -23,12 +24,21 @@ import numpy as np
 from storage_backends import Backend
 from storage_backends.errors import UnsupportedElementError
 from yogastore.build.casts import check_value
+from yogastore.build.progress import LineProgress, Progress
 from yogastore.format import ChunkBuilder, ColumnSpec, columns_for, parse_header
 from yogastore.format.manifest import ChunkInfo, Manifest, checksum
-from yogastore.build.progress import LineProgress, Progress
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
 
-__all__ = ["chunk_key_prefix", "component_columns", "new_build_id", "write_dataset"]
+__all__ = [
+    "ChunkTable",
+    "chunk_key_prefix",
+    "commit_manifest",
+    "component_columns",
+    "creation_info",
+    "new_build_id",
+    "write_chunks",
+    "write_dataset",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,35 +108,36 @@ def new_build_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def chunk_key_prefix(dataset_id: str, version: str, build_id: str) -> str:
-    """Return the prefix of every chunk key of one build."""
-    return f"{dataset_id}/{version}/c-{build_id}-"
+def chunk_key_prefix(dataset_id: str, version: str, build_id: str, rank: int | None = None) -> str:
+    """Return the prefix of every chunk key of one build (or of rank ``rank``'s part of it)."""
+    part = "" if rank is None else f"r{rank}-"
+    return f"{dataset_id}/{version}/c-{build_id}-{part}"
 
 
-def write_dataset(
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkTable:
+    """What ``write_chunks`` wrote: its chunks (numbered from record 0) and their records."""
+
+    chunks: tuple[ChunkInfo, ...]
+    num_records: int
+
+
+def write_chunks(
     backend: Backend,
-    dataset_id: str,
-    version: str,
+    key_prefix: str,
     schema: Schema,
     items: Iterable[SourceItem],
     *,
     chunk_bytes: int,
     progress: Progress,
     upload_workers: int = 1,
-    build_id: str | None = None,
-    source_fingerprint: str | None = None,
-    replace: bool = False,
-) -> Manifest:
-    """Write every record of ``items`` as chunks, then commit the manifest.
+) -> ChunkTable:
+    """Write every record of ``items`` as chunks ``<key_prefix><n>`` and return their table.
 
-    The manifest is created only if absent, or with ``replace`` (a rebuild by
-    the holder of the version's build lock) written over the committed one.
-
-    Chunk keys are ``<dataset>/<version>/c-<build_id>-<n>`` (``build_id``:
-    random unless given), so a caller can delete one build's chunks.
+    ``key_prefix`` ends with ``-`` and lies inside one dataset version
+    (``<dataset>/<version>/c-...``). Returns after every chunk landed.
     """
-    prefix = f"{dataset_id}/{version}/"
-    build_id = build_id or new_build_id()
+    where = key_prefix.rsplit("/", 1)[0] + "/"
     columns: list[ColumnSpec] = [c for comp in schema.components for c in columns_for(comp)]
     chunks: list[ChunkInfo] = []
     uploader = _Uploader(backend, upload_workers)
@@ -134,15 +145,14 @@ def write_dataset(
     first = 0
     written = 0
     lines = progress if isinstance(progress, LineProgress) else None
-    started = time.perf_counter()
 
     def flush() -> None:
         nonlocal builder, first, written
         if builder.count == 0:
             return
         data = builder.encode()
-        index_bytes = int(parse_header(data, len(data), prefix)["index_end"])
-        key = f"{chunk_key_prefix(dataset_id, version, build_id)}{len(chunks):06d}"
+        index_bytes = int(parse_header(data, len(data), where)["index_end"])
+        key = f"{key_prefix}{len(chunks):06d}"
         chunks.append(
             ChunkInfo(
                 key=key,
@@ -190,34 +200,85 @@ def write_dataset(
     finally:
         uploader.finish()
         progress.close()
-    manifest = Manifest(
-        dataset_id=dataset_id,
-        version=version,
-        num_records=first,
-        schema=schema,
-        chunks=tuple(chunks),
-        build_id=build_id,
-        created={
-            "time": time.time(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "chunk_bytes": chunk_bytes,
-        },
-        source_fingerprint=source_fingerprint,
-    )
+    return ChunkTable(tuple(chunks), first)
+
+
+def creation_info(chunk_bytes: int, **extra: Any) -> dict[str, Any]:
+    """Return the ``created`` field of a manifest written by this process now."""
+    return {
+        "time": time.time(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "chunk_bytes": chunk_bytes,
+        **extra,
+    }
+
+
+def commit_manifest(backend: Backend, manifest: Manifest, *, replace: bool = False) -> None:
+    """Write ``manifest``: the commit, an exclusive put unless ``replace`` (a rebuild).
+
+    Raises:
+        KeyExistsError: another manifest was committed first.
+    """
     if replace:
         backend.put(manifest.key, manifest.to_json())
     else:
         backend.put_exclusive(manifest.key, manifest.to_json())
+
+
+def write_dataset(
+    backend: Backend,
+    dataset_id: str,
+    version: str,
+    schema: Schema,
+    items: Iterable[SourceItem],
+    *,
+    chunk_bytes: int,
+    progress: Progress,
+    upload_workers: int = 1,
+    build_id: str | None = None,
+    source_fingerprint: str | None = None,
+    replace: bool = False,
+) -> Manifest:
+    """Write every record of ``items`` as chunks, then commit the manifest.
+
+    The manifest is created only if absent, or with ``replace`` (a rebuild by
+    the holder of the version's build lock) written over the committed one.
+
+    Chunk keys are ``<dataset>/<version>/c-<build_id>-<n>`` (``build_id``:
+    random unless given), so a caller can delete one build's chunks.
+    """
+    build_id = build_id or new_build_id()
+    started = time.perf_counter()
+    table = write_chunks(
+        backend,
+        chunk_key_prefix(dataset_id, version, build_id),
+        schema,
+        items,
+        chunk_bytes=chunk_bytes,
+        progress=progress,
+        upload_workers=upload_workers,
+    )
+    manifest = Manifest(
+        dataset_id=dataset_id,
+        version=version,
+        num_records=table.num_records,
+        schema=schema,
+        chunks=table.chunks,
+        build_id=build_id,
+        created=creation_info(chunk_bytes),
+        source_fingerprint=source_fingerprint,
+    )
+    commit_manifest(backend, manifest, replace=replace)
     elapsed = time.perf_counter() - started
     logger.info(
         "cached %s/%s: %d records, %d chunks, %.1f MB in %.2fs (%.0f records/s)",
         dataset_id,
         version,
-        first,
-        len(chunks),
+        table.num_records,
+        len(table.chunks),
         manifest.nbytes / 1e6,
         elapsed,
-        first / elapsed if elapsed > 0 else 0.0,
+        table.num_records / elapsed if elapsed > 0 else 0.0,
     )
     return manifest

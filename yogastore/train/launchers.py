@@ -5,9 +5,11 @@ Re-exported by ``yogastore.distributed``.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import tensorflow as tf
 
 from storage_backends.errors import InvalidArgumentError
@@ -19,9 +21,73 @@ from yogastore.train.steps import EpochSize
 
 if TYPE_CHECKING:
     from yogastore.distributed import StreamPosition
-    from yogastore.store import DatasetRef
+    from yogastore.store import DatasetRef, Store
 
-__all__ = ["dataset_fn", "horovod_dataset", "horovod_stream"]
+__all__ = ["cache_parallel", "dataset_fn", "horovod_dataset", "horovod_stream", "worker_rank"]
+
+
+def worker_rank(strategy: tf.distribute.Strategy | None = None) -> tuple[int, int]:
+    """Return (this process's rank, number of processes) of a Horovod or ``tf.distribute`` job.
+
+    With ``strategy``: its cluster's tasks (chief first, then workers, in task
+    order; a strategy without a cluster, such as ``MirroredStrategy``, is one
+    process). Without: ``hvd.rank()`` and ``hvd.size()`` (call ``hvd.init()``
+    first).
+    """
+    if strategy is None:
+        try:
+            import horovod.tensorflow as hvd
+        except ImportError as err:
+            raise InvalidArgumentError(
+                "Horovod is not installed here: pass strategy= (a tf.distribute strategy), "
+                "or call Store.cache_parallel with rank=, num_ranks= and attempt="
+            ) from err
+        return int(hvd.rank()), int(hvd.size())
+    resolver = getattr(strategy, "cluster_resolver", None)
+    cluster = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    tasks = [(kind, i) for kind in ("chief", "worker") for i in range(len(cluster.get(kind, [])))]
+    if not tasks or resolver is None:
+        return 0, 1
+    me = (resolver.task_type, int(resolver.task_id))
+    if me not in tasks:
+        raise InvalidArgumentError(
+            f"this task {me} is neither the chief nor a worker of the cluster {cluster}"
+        )
+    return tasks.index(me), len(tasks)
+
+
+def cache_parallel(
+    store: Store,
+    dataset_id: str,
+    version: str,
+    make_dataset: Callable[..., Any],
+    *,
+    strategy: tf.distribute.Strategy | None = None,
+    **options: Any,
+) -> DatasetRef:
+    """``store.cache_parallel`` with the rank and rank count of this job (see ``worker_rank``).
+
+    Call it on every process of the job; each writes its part of the first
+    pass and all return the same ``DatasetRef``. ``options`` are those of
+    ``Store.cache_parallel`` (``spec``, ``fingerprint``, ``timeout``, ...);
+    unless ``attempt`` is given, rank 0 draws a random one and every rank
+    receives it (one all-gather over Horovod or the strategy), so each launch
+    is a new attempt.
+    """
+    rank, num_ranks = worker_rank(strategy)
+    if "attempt" not in options:
+        token = np.array([secrets.randbits(63)], dtype=np.int64)
+        if num_ranks > 1 and strategy is None:
+            import horovod.tensorflow as hvd
+
+            out = hvd.allgather(tf.constant(token), name="yogastore_attempt")
+            token = np.asarray(out.numpy(), dtype=np.int64).reshape(-1)
+        elif num_ranks > 1:
+            token = np.asarray(strategy_allgather(strategy)(token), dtype=np.int64).reshape(-1)
+        options["attempt"] = f"launch-{int(token[0]):016x}"
+    return store.cache_parallel(
+        dataset_id, version, make_dataset, rank=rank, num_ranks=num_ranks, **options
+    )
 
 
 def horovod_stream(
