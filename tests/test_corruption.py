@@ -195,3 +195,24 @@ def test_intact_cache_reads_back_exactly(tmp_path: Path) -> None:
         assert e["x"].tolist() == [i] * 4
         assert e["s"].tolist() == [b"r%d" % i] * (i % 3)
         assert e["v"].tolist() == list(map(float, range(i % 5)))
+
+
+def test_a_manifest_key_changed_into_its_neighbours_name_is_refused(tmp_path: Path) -> None:
+    """One byte turns key "y" into "x": two components would answer to one name."""
+    spec = {
+        "x": yogastore.ComponentSpec(shape=(2,), dtype="float32"),
+        "y": yogastore.ComponentSpec(shape=(), dtype="int64"),
+    }
+    records = [{"x": np.array([i, -i], np.float32), "y": np.int64(i)} for i in range(20)]
+    root = tmp_path / "s"
+    yogastore.Store(root).cache(
+        "d", "1", lambda: iter(records), spec=spec, progress=yogastore.NullProgress()
+    )
+    data_file = root / "d" / "1" / "data.mdb"
+    data = bytearray(data_file.read_bytes())
+    at = data.find(b'"y"', data.find(b'"keys": ['))
+    assert at > 0
+    data[at + 1] = ord("x")
+    data_file.write_bytes(bytes(data))
+    with pytest.raises(yogastore.CorruptCacheError, match="not sorted and unique"):
+        yogastore.Store(root).open("d", "1")

@@ -310,6 +310,12 @@ def _check_structure(node: Any, count: int, seen: set[int], depth: int = 0) -> N
             raise CorruptCacheError("nest structure dict keys do not match its items")
         if not all(isinstance(k, str) for k in keys):
             raise CorruptCacheError("nest structure dict keys must be strings")
+        if keys != sorted(set(keys)):
+            # Written sorted and unique (as tf.nest orders them): anything else
+            # is damage, e.g. a key changed into its neighbour's name.
+            raise CorruptCacheError(
+                f"nest structure dict keys {keys!r:.200} are not sorted and unique"
+            )
     elif kind == "namedtuple":
         fields = node.get("fields")
         name = node.get("name")
