@@ -177,13 +177,16 @@ def one_rank_times_out(store: y.Store, source: Any = None, **options: Any) -> No
         )
 
 
-def two_ranks(store: y.Store, source: Any, attempt: str, **options: Any) -> list[y.DatasetRef]:
+def two_ranks(
+    store: y.Store, source: Any, attempt: str, dataset_id: str = "ds", **options: Any
+) -> list[y.DatasetRef]:
     """Run ranks 0 and 1 of one attempt in threads; return their refs."""
     refs: dict[int, y.DatasetRef] = {}
+    options.setdefault("spec", SPEC)
 
     def rank(r: int) -> None:
         refs[r] = store.cache_parallel(
-            "ds", "1", source, rank=r, num_ranks=2, attempt=attempt, spec=SPEC,
+            dataset_id, "1", source, rank=r, num_ranks=2, attempt=attempt,
             progress=y.NullProgress(), timeout=30, **options,
         )  # fmt: skip
 
@@ -296,19 +299,8 @@ def test_list_gc_and_delete_handle_leftovers(store_dir: Path) -> None:
 
 def test_tf_data_source_is_sharded_per_rank(store_dir: Path) -> None:
     tf = pytest.importorskip("tensorflow")
-    refs: dict[int, Any] = {}
-
-    def rank(r: int) -> None:
-        refs[r] = y.Store(store_dir).cache_parallel(
-            "tf", "1", lambda: tf.data.Dataset.range(10), rank=r, num_ranks=2, attempt="a1",
-            progress=y.NullProgress(), timeout=30,
-        )  # fmt: skip
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    source = lambda: tf.data.Dataset.range(10)  # noqa: E731
+    refs = two_ranks(y.Store(store_dir), source, "a1", dataset_id="tf", spec=None)
     assert refs[0].manifest.build_id == refs[1].manifest.build_id
     ids = [int(v) for b in refs[0].stream(shuffle=False).batches(4) for v in b]
     assert ids == [0, 2, 4, 6, 8, 1, 3, 5, 7, 9]

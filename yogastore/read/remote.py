@@ -59,7 +59,7 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lmdb
@@ -441,29 +441,42 @@ class RemoteChunkSource:
                 out[i] = np.union1d(wanted[i], extra)
         return out
 
-    def _install_whole(self, job: Job) -> None:
-        state = job.state
-        where = self._where(state)
+    def _refetch_until(self, job: Job, where: str, what: str, check: Callable[[], None]) -> None:
+        """Fetch ``job`` again until ``check`` passes, at most ``_ATTEMPTS`` fetches.
+
+        A cached copy that fails is dropped and fetched; a fetch that fails is
+        retried, then ``CorruptCacheError`` says what was seen. ``what`` names
+        the bytes checked (``"chunk"``, ``"chunk index"``).
+        """
         attempt = 1
         while True:
             try:
-                verify_chunk(self.manifest, state.chunk, job.buf.data)
-                break
+                check()
+                return
             except CorruptCacheError as err:
                 if job.from_cache and self.cache is not None:
-                    logger.warning("%s: cached copy fails its checksum; fetching it again", where)
-                    self._cache_call(self.cache.drop_chunk, state.cid)
+                    logger.warning(
+                        "%s: cached %s fails its checksum; fetching it again", where, what
+                    )
+                    self._cache_call(self.cache.drop_chunk, job.state.cid)
                 elif attempt >= _ATTEMPTS:
                     raise CorruptCacheError(
-                        f"{where}: checksum mismatch in {attempt} fetches from "
+                        f"{where}: {what} checksum mismatch in {attempt} fetches from "
                         f"{self.backend.url}; the stored chunk or the network path corrupts "
                         "data: check the endpoint, or delete and rebuild this version"
                     ) from err
                 else:
                     attempt += 1
-                    self._count_refetch(where, "chunk checksum mismatch")
+                    self._count_refetch(where, f"{what} checksum mismatch")
             job.from_cache = False
             self._run([job], use_cache=False)
+
+    def _install_whole(self, job: Job) -> None:
+        state = job.state
+        where = self._where(state)
+        self._refetch_until(
+            job, where, "chunk", lambda: verify_chunk(self.manifest, state.chunk, job.buf.data)
+        )
         if self.cache is not None:
             # One entry for the whole chunk replaces the ranges read before.
             self._cache_call(self.cache.drop_chunk, state.cid)
@@ -480,21 +493,12 @@ class RemoteChunkSource:
         state = job.state
         where = self._where(state)
         size = state.info.index_bytes
-        attempt = 1
-        while checksum(job.buf[:size].data) != state.info.index_checksum:
-            if job.from_cache and self.cache is not None:
-                logger.warning("%s: cached index fails its checksum; fetching it again", where)
-                self._cache_call(self.cache.drop_chunk, state.cid)
-            elif attempt >= _ATTEMPTS:
-                raise CorruptCacheError(
-                    f"{where}: chunk index checksum mismatch in {attempt} fetches from "
-                    f"{self.backend.url}; check the endpoint, or delete and rebuild this version"
-                )
-            else:
-                attempt += 1
-                self._count_refetch(where, "index checksum mismatch")
-            job.from_cache = False
-            self._run([job], use_cache=False)
+
+        def check_index() -> None:
+            if checksum(job.buf[:size].data) != state.info.index_checksum:
+                raise CorruptCacheError(f"{where}: chunk index checksum mismatch")
+
+        self._refetch_until(job, where, "chunk index", check_index)
         if self.cache is not None and not job.from_cache:
             self._cache_call(self.cache.update, [], [(state.cid, 0, job.buf[:size].tobytes())])
         header = parse_header(job.buf.data[:size], state.info.nbytes, where)
