@@ -40,6 +40,8 @@ class FaultProxy:
         rates: probability of each fault (keys from ``FAULTS``) per matching GET.
         target: regular expression a request path must match to get faults.
         seed: seed of the fault generator.
+        first: faults given, in order, to the first matching GETs before any are drawn,
+            so a test can rely on them happening whatever the number of requests.
         batch_delete: ``False`` answers ``DeleteObjects`` with ``501 NotImplemented``,
             as some S3-compatible stores do.
     """
@@ -51,7 +53,12 @@ class FaultProxy:
         target: str = r"/c-[0-9a-f]+-\d+$",
         seed: int = 0,
         batch_delete: bool = True,
+        first: tuple[str, ...] = (),
     ) -> None:
+        unknown = sorted(set(first) - set(FAULTS))
+        if unknown:
+            raise ValueError(f"unknown faults in first: {unknown}")
+        self._first = list(first)
         self.batch_delete = batch_delete
         parsed = urllib.parse.urlsplit(upstream)
         self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
@@ -93,6 +100,10 @@ class FaultProxy:
 
     def _draw(self) -> str | None:
         with self._lock:
+            if self._first:
+                name = self._first.pop(0)
+                self.counts[name] += 1
+                return name
             roll = self._rng.random()
             for name in FAULTS:
                 rate = self.rates.get(name, 0.0)
