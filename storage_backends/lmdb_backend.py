@@ -43,6 +43,7 @@ import ctypes
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import threading
 import time
@@ -56,7 +57,7 @@ import lmdb
 import lmdb.verify
 import numpy as np
 
-from storage_backends import lmdb_env
+from storage_backends import lmdb_env, lmdb_pages
 from storage_backends.base import Backend, Buffer
 from storage_backends.errors import (
     CorruptCacheError,
@@ -68,6 +69,7 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from storage_backends.lmdb_env_files import DATA_FILE, check_files, open_data_file, remove_tree
+from storage_backends.lmdb_pages import Located
 
 __all__ = ["LmdbBackend", "translate_error"]
 
@@ -120,11 +122,12 @@ def _corrupt(path: Path, detail: str) -> CorruptCacheError:
 class _Snapshot:
     """One read transaction, alive while this object or any view it pinned is."""
 
-    __slots__ = ("__weakref__", "txn", "txnid")
+    __slots__ = ("__weakref__", "spots", "txn", "txnid")
 
     def __init__(self, txn: Any) -> None:
         self.txn = txn
         self.txnid = int(txn.id())
+        self.spots: dict[bytes, Located] | None = None  # large values, found without LMDB
 
     def pin(self, value: Any) -> memoryview:
         """Return a read-only view of ``value`` that keeps this transaction alive."""
@@ -134,6 +137,17 @@ class _Snapshot:
         address = np.frombuffer(value, dtype=np.uint8).ctypes.data
         holder = (ctypes.c_ubyte * n).from_address(address)
         holder._snapshot = self  # type: ignore[attr-defined]
+        return memoryview(holder).cast("B").toreadonly()
+
+    def pin_range(self, mapped: mmap.mmap, offset: int, size: int) -> memoryview:
+        """Return a read-only view of ``mapped[offset:offset + size]`` keeping this alive.
+
+        No page of the range is touched here: the reader pages in what it reads.
+        """
+        address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data + offset
+        holder = (ctypes.c_ubyte * size).from_address(address)
+        holder._snapshot = self  # type: ignore[attr-defined]
+        holder._map = mapped  # type: ignore[attr-defined]
         return memoryview(holder).cast("B").toreadonly()
 
 
@@ -158,6 +172,9 @@ class _Env:
         self.snapshot: _Snapshot | None = None
         self.live: weakref.WeakSet[_Snapshot] = weakref.WeakSet()
         self.verified = -1  # last transaction id whose file structure was checked
+        # The data file mapped by this module (read-only, random access) for large
+        # values, which LMDB would page in whole when it hands them out.
+        self.mapped: mmap.mmap | None = None
         self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
 
     # Reading ------------------------------------------------------------------
@@ -240,10 +257,31 @@ class _Env:
                 raise _corrupt(self.path, "; ".join(problems[:3]))
         raise _corrupt(self.path, "; ".join(problems[:3]))
 
+    def _located(self, snap: _Snapshot, key: bytes) -> memoryview | None:
+        """A view of ``key``'s value mapped here, untouched; ``None``: ask LMDB."""
+        if snap.spots is None:
+            snap.spots = lmdb_pages.locate_big_values(self.fd, snap.txnid) or {}
+        spot = snap.spots.get(key)
+        if spot is None or not lmdb_pages.overflow_header_ok(self.fd, spot):
+            return None
+        end = spot.offset + spot.size
+        if self.mapped is None or len(self.mapped) < end:
+            size = os.fstat(self.fd).st_size
+            if size < end:
+                return None
+            mapped = mmap.mmap(self.fd, size, prot=mmap.PROT_READ)
+            # Random access: a fault reads its page, not a window around it.
+            mapped.madvise(mmap.MADV_RANDOM)
+            self.mapped = mapped  # an older map lives on through its views
+        return snap.pin_range(self.mapped, spot.offset, spot.size)
+
     def read(self, key: bytes) -> memoryview | None:
         with self.mutex:
             try:
                 snap = self._current()
+                view = self._located(snap, key)
+                if view is not None:
+                    return view
                 value = snap.txn.get(key)
             except _Vanished:
                 return None
@@ -328,6 +366,7 @@ class _Env:
     def close(self) -> None:
         with self.mutex:
             self.snapshot = None
+            self.mapped = None  # unmapped when its last view is gone
             self.env.close()
             with contextlib.suppress(OSError):
                 os.close(self.fd)

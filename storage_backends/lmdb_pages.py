@@ -1,0 +1,183 @@
+"""Where LMDB keeps large values in its data file, found without touching them.
+
+py-lmdb touches every page of a value it returns (it pre-faults the value so
+that the GIL is not held across page faults). For a 4 MiB chunk of which a
+reader wants one 16 KiB record, that reads the whole chunk from disk. This
+module reads the committed B-tree of the main database itself (a few pages,
+with ``pread``) and returns, for each key whose value lives on overflow pages,
+the value's byte offset and length in the file, so the reader can map the
+file and touch only the pages it reads.
+
+It reads LMDB 0.9's 64-bit on-disk layout (data version 1, 16-byte page
+headers), the layout py-lmdb writes. Anything else, or anything that does not
+look exactly as that layout requires (a page that does not hold its own page
+number, a depth or page count beyond the meta page's, a value past the end of
+the file), answers ``None``: the caller then reads through LMDB, which is
+always correct, only slower. The file's structure is checked by
+``lmdb.verify`` before the first read of each committed snapshot; this walk
+is a second, minimal reader, not a verifier, and every byte served from a
+located value is still checked against the build's block checksums above.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+__all__ = ["Located", "locate_big_values", "overflow_header_ok"]
+
+_MAGIC = 0xBEEFC0DE
+_VERSION = 1  # LMDB 0.9's data version
+_PAGEHDRSZ = 16
+_NODESIZE = 8
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2 = 0x01, 0x02, 0x04, 0x08, 0x20
+_F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
+_MDB_DUPSORT = 0x04
+_P_INVALID = (1 << 64) - 1
+_MAX_DEPTH = 32  # LMDB's cursor stack
+_MAX_TREE_PAGES = 1 << 16  # branch + leaf pages walked at most (a billion records: ~100)
+
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_NODE = struct.Struct("<HHHH")
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where one value lives: ``[offset, offset + size)`` of the data file."""
+
+    offset: int
+    size: int
+    pgno: int  # its first overflow page, whose header is checked before use
+    psize: int
+
+
+@dataclass(frozen=True)
+class _Meta:
+    psize: int
+    txnid: int
+    flags: int
+    depth: int
+    pages: int  # branch + leaf pages of the main database
+    root: int
+
+
+def _read(fd: int, offset: int, n: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise _Unexpected
+    return data
+
+
+class _Unexpected(Exception):
+    """The file does not look the way this reader expects: read through LMDB instead."""
+
+
+def _meta(fd: int, offset: int) -> _Meta:
+    page = _read(fd, offset, _PAGEHDRSZ + 152)
+    flags = _U16.unpack_from(page, 10)[0]
+    magic, version = _U32.unpack_from(page, 16)[0], _U32.unpack_from(page, 20)[0]
+    if not flags & _P_META or magic != _MAGIC or version != _VERSION:
+        raise _Unexpected
+    free, main = _PAGEHDRSZ + 24, _PAGEHDRSZ + 24 + 48
+    return _Meta(
+        psize=_U32.unpack_from(page, free)[0],  # the free DB's md_pad holds the page size
+        txnid=_U64.unpack_from(page, main + 48 + 8)[0],
+        flags=_U16.unpack_from(page, main + 4)[0],
+        depth=_U16.unpack_from(page, main + 6)[0],
+        pages=_U64.unpack_from(page, main + 8)[0] + _U64.unpack_from(page, main + 16)[0],
+        root=_U64.unpack_from(page, main + 40)[0],
+    )
+
+
+def _committed(fd: int, txnid: int) -> _Meta:
+    """The meta page of transaction ``txnid`` (either of the two), or raise."""
+    first = _meta(fd, 0)
+    psize = first.psize
+    if psize < 512 or psize > 0x8000 or psize & (psize - 1):
+        raise _Unexpected
+    for meta in (first, _meta(fd, psize)):
+        if meta.txnid == txnid and meta.psize == psize:
+            return meta
+    raise _Unexpected  # a newer commit rewrote the snapshot's meta page
+
+
+def locate_big_values(fd: int, txnid: int) -> dict[bytes, Located] | None:
+    """Map each key of the main database stored on overflow pages to where its value is.
+
+    Args:
+        fd: an open descriptor of the environment's data file.
+        txnid: the committed transaction whose tree to read (a read
+            transaction of it is open, so its pages are not reused).
+
+    Returns:
+        The located values, or ``None`` when the file is not in the layout
+        this reader knows or anything about it is unexpected.
+    """
+    try:
+        return _walk(fd, txnid)
+    except (_Unexpected, struct.error, OSError):
+        return None
+
+
+def _walk(fd: int, txnid: int) -> dict[bytes, Located]:
+    meta = _committed(fd, txnid)
+    if meta.flags & _MDB_DUPSORT or meta.depth > _MAX_DEPTH or meta.pages > _MAX_TREE_PAGES:
+        raise _Unexpected
+    found: dict[bytes, Located] = {}
+    if meta.root == _P_INVALID:  # an empty database
+        return found
+    psize, file_size = meta.psize, os.fstat(fd).st_size
+    stack = [(meta.root, 1)]
+    walked = 0
+    while stack:
+        pgno, depth = stack.pop()
+        walked += 1
+        if depth > meta.depth or walked > meta.pages or (pgno + 1) * psize > file_size:
+            raise _Unexpected
+        page = _read(fd, pgno * psize, psize)
+        flags = _U16.unpack_from(page, 10)[0]
+        lower = _U16.unpack_from(page, 12)[0]
+        if _U64.unpack_from(page, 0)[0] != pgno or lower < _PAGEHDRSZ or lower > psize:
+            raise _Unexpected
+        kind = flags & (_P_BRANCH | _P_LEAF | _P_OVERFLOW | _P_META | _P_LEAF2)
+        if kind not in (_P_BRANCH, _P_LEAF):
+            raise _Unexpected
+        for i in range((lower - _PAGEHDRSZ) // 2):
+            node = _U16.unpack_from(page, _PAGEHDRSZ + 2 * i)[0]
+            if node < lower or node + _NODESIZE > psize:
+                raise _Unexpected
+            lo, hi, nflags, ksize = _NODE.unpack_from(page, node)
+            if node + _NODESIZE + ksize > psize:
+                raise _Unexpected
+            if kind == _P_BRANCH:
+                stack.append((lo | hi << 16 | nflags << 32, depth + 1))
+                continue
+            if nflags & (_F_SUBDATA | _F_DUPDATA) or not nflags & _F_BIGDATA:
+                continue  # a named database, or a value small enough to sit in the leaf
+            key = page[node + _NODESIZE : node + _NODESIZE + ksize]
+            first = _U64.unpack_from(page, node + _NODESIZE + ksize)[0]
+            size = lo | hi << 16
+            offset = first * psize + _PAGEHDRSZ
+            if first < 2 or offset + size > file_size:
+                raise _Unexpected
+            found[key] = Located(offset, size, first, psize)
+    return found
+
+
+def overflow_header_ok(fd: int, spot: Located) -> bool:
+    """Whether ``spot``'s first page is an overflow page of itself, long enough for it."""
+    try:
+        head = _read(fd, spot.offset - _PAGEHDRSZ, _PAGEHDRSZ)
+    except (_Unexpected, OSError):
+        return False
+    pgno: int = _U64.unpack_from(head, 0)[0]
+    flags: int = _U16.unpack_from(head, 10)[0]
+    pages: int = _U32.unpack_from(head, 12)[0]
+    return (
+        pgno == spot.pgno
+        and flags & _P_OVERFLOW != 0
+        and pages * spot.psize >= spot.size + _PAGEHDRSZ
+    )

@@ -1,0 +1,223 @@
+"""Large values located in the LMDB file without LMDB: exact, never wrong, pages read on demand."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import multiprocessing
+import os
+import random
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+import yogastore
+from storage_backends import lmdb_pages
+from storage_backends.errors import CorruptCacheError
+from storage_backends.lmdb_backend import LmdbBackend
+
+PAGE = 4096
+
+
+def _values(seed: int, n: int) -> dict[bytes, bytes]:
+    rng = random.Random(seed)
+    sizes = [0, 1, 100, 2000, 4000, 5000, 65536, 300_000, 1 << 20]
+    return {
+        f"k{i:04d}-{rng.random():.6f}".encode(): rng.randbytes(rng.choice(sizes)) for i in range(n)
+    }
+
+
+def _env(path: Path) -> lmdb.Environment:
+    return lmdb.open(str(path), map_size=1 << 30, subdir=True)
+
+
+def _located(path: Path) -> tuple[dict[bytes, lmdb_pages.Located] | None, int]:
+    with _env(path) as env, env.begin() as txn:
+        txnid = int(txn.id())
+    fd = os.open(path / "data.mdb", os.O_RDONLY)
+    try:
+        return lmdb_pages.locate_big_values(fd, txnid), txnid
+    finally:
+        os.close(fd)
+
+
+def _file_bytes(path: Path, spot: lmdb_pages.Located) -> bytes:
+    with open(path / "data.mdb", "rb") as f:
+        f.seek(spot.offset)
+        return f.read(spot.size)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_large_value_is_found_exactly_after_puts_overwrites_and_deletes(
+    tmp_path: Path, seed: int
+) -> None:
+    values = _values(seed, 120)
+    with _env(tmp_path) as env:
+        keys = list(values)
+        for start in range(0, len(keys), 17):  # many commits: both meta pages in use
+            with env.begin(write=True) as txn:
+                for key in keys[start : start + 17]:
+                    txn.put(key, values[key])
+        rng = random.Random(seed)
+        with env.begin(write=True) as txn:
+            for key in rng.sample(keys, 20):
+                del values[key]
+                txn.delete(key)
+            for key in rng.sample(sorted(values), 20):
+                values[key] = rng.randbytes(rng.choice([10, 70_000]))
+                txn.put(key, values[key])
+    found, _ = _located(tmp_path)
+    assert found is not None
+    # Exactly the values too large for a leaf page, at the bytes LMDB stores.
+    large = {k for k, v in values.items() if len(v) > 2000}
+    assert set(found) == large
+    for key, spot in found.items():
+        assert spot.size == len(values[key])
+        assert _file_bytes(tmp_path, spot) == values[key]
+
+
+def test_an_empty_environment_has_nothing_to_locate(tmp_path: Path) -> None:
+    with _env(tmp_path) as env, env.begin(write=True):
+        pass
+    found, _ = _located(tmp_path)
+    assert found == {}
+
+
+def test_another_transaction_or_a_foreign_file_is_not_located(tmp_path: Path) -> None:
+    with _env(tmp_path) as env, env.begin(write=True) as txn:
+        txn.put(b"a", b"x" * 10_000)
+    found, txnid = _located(tmp_path)
+    assert found is not None and set(found) == {b"a"}
+    fd = os.open(tmp_path / "data.mdb", os.O_RDONLY)
+    try:
+        assert lmdb_pages.locate_big_values(fd, txnid + 7) is None  # no meta page of it
+    finally:
+        os.close(fd)
+    other = tmp_path / "other"
+    other.write_bytes(os.urandom(3 * PAGE))
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        assert lmdb_pages.locate_big_values(fd, txnid) is None
+    finally:
+        os.close(fd)
+
+
+def test_flipped_tree_pages_never_locate_outside_the_file(tmp_path: Path) -> None:
+    """Damage anywhere in the first pages: ``None``, or spots inside the file."""
+    values = _values(5, 60)
+    with _env(tmp_path) as env, env.begin(write=True) as txn:
+        for key, value in values.items():
+            txn.put(key, value)
+    with _env(tmp_path) as env, env.begin() as txn:
+        txnid = int(txn.id())
+    data = tmp_path / "data.mdb"
+    clean = data.read_bytes()
+    rng = random.Random(11)
+    outcomes = {"none": 0, "found": 0}
+    for _ in range(300):
+        damaged = bytearray(clean)
+        at = rng.randrange(min(len(clean), 8 * PAGE))
+        damaged[at] ^= 1 << rng.randrange(8)
+        data.write_bytes(bytes(damaged))
+        fd = os.open(data, os.O_RDONLY)
+        try:
+            found = lmdb_pages.locate_big_values(fd, txnid)
+        finally:
+            os.close(fd)
+        if found is None:
+            outcomes["none"] += 1
+            continue
+        outcomes["found"] += 1
+        for spot in found.values():
+            assert spot.offset >= 2 * PAGE and spot.offset + spot.size <= len(clean)
+    assert outcomes["found"] and outcomes["none"]  # both branches were exercised
+
+
+def _resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            libc = ctypes.CDLL(None, use_errno=True)
+            address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+            assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0
+            return sum(v & 1 for v in vec)
+        finally:
+            del address
+            mapped.close()
+    finally:
+        os.close(fd)
+
+
+def _drop_cached(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _build_16k(root: str) -> None:
+    spec = yogastore.ComponentSpec(shape=(16384,), dtype="uint8")
+    store = yogastore.Store(root, chunk_bytes=4 << 20)
+    store.cache(
+        "d", "1", lambda: (np.full(16384, i % 251, np.uint8) for i in range(1024)), spec=spec
+    )
+
+
+def test_reading_one_record_pages_in_that_record_not_its_chunk(tmp_path: Path) -> None:
+    """A 4 MiB chunk of 16 KiB records: one record read pages in a few pages, not 1,024."""
+    # Built in a child process: pages mapped by a live process stay cached.
+    child = multiprocessing.get_context("fork").Process(target=_build_16k, args=(str(tmp_path),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    data = tmp_path / "d" / "1" / "data.mdb"
+    _drop_cached(data)
+    if _resident_pages(data) > 64:
+        pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED")
+    # Record 300 alone, through a fresh store (no views of the build left).
+    source = yogastore.Store(tmp_path).open("d", "1").make_source()
+    try:
+        (column,) = source.gather(np.array([300], dtype=np.int64))
+        assert column.record(0).tolist() == [300 % 251] * 16384
+    finally:
+        source.close()
+    resident = _resident_pages(data)
+    # Its index, its 16 KiB record (5 pages when unaligned), the tree and meta pages.
+    assert resident < 64, f"{resident} pages of a {data.stat().st_size // PAGE}-page file"
+
+
+def test_the_read_path_serves_located_bytes_and_survives_a_damaged_tree(tmp_path: Path) -> None:
+    """Store reads through located values are exact; a flipped tree page is caught, not read."""
+    backend = LmdbBackend(str(tmp_path))
+    values = {f"v/{i}": os.urandom(50_000 + i) for i in range(10)}
+    for key, value in values.items():
+        backend.put(key, value)
+    for key, value in values.items():
+        assert bytes(backend.get(key)) == value
+    backend.close()
+    data = tmp_path / "v" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    for page in range(2, len(raw) // PAGE):
+        flags = int.from_bytes(raw[page * PAGE + 10 : page * PAGE + 12], "little")
+        if flags & 0x02:  # the leaf page holding the keys
+            raw[page * PAGE + PAGE - 40] ^= 0xFF
+            break
+    else:
+        pytest.fail("no leaf page found")
+    data.write_bytes(bytes(raw))
+    backend = LmdbBackend(str(tmp_path))
+    try:
+        with pytest.raises(CorruptCacheError, match="damaged"):
+            for key, value in values.items():
+                assert bytes(backend.get(key)) == value
+    finally:
+        backend.close()
