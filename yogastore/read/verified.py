@@ -34,6 +34,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -233,10 +234,14 @@ def verify_blocks(
     runs = owners[np.concatenate([[0], cuts])]
     hashed = 0
     marks: list[IntArray] = []
-    for chunk, run in zip(runs.tolist(), np.split(ids, cuts), strict=True):
+    pieces = list(zip(runs.tolist(), np.split(ids, cuts), strict=True))
+    whole = {c for c, run in pieces if len(run) * _WHOLE_SHARE >= len(sums[c].sums)}
+    for chunk in whole:  # read ahead, all at once, what is hashed whole
+        will_need(data[chunk])
+    for chunk, run in pieces:
         table, view = sums[chunk], data[chunk]
         slot = int(memo.slot[chunk])
-        if len(run) * _WHOLE_SHARE >= len(table.sums) and checksum(view) == checksums[chunk]:
+        if chunk in whole and checksum(view) == checksums[chunk]:
             hashed += len(view)
             marks.append(slot + np.arange(len(table.sums), dtype=np.int64))
             continue
@@ -245,6 +250,34 @@ def verify_blocks(
     marked = np.concatenate(marks)
     memo.mark(marked, np.repeat(runs, [len(m) for m in marks]))
     return hashed
+
+
+_MADV_WILLNEED = 3
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_LIBC: ctypes.CDLL | None = None
+
+
+def will_need(view: memoryview) -> None:
+    """Ask the OS to start reading the pages of ``view`` (a memory map) in the background.
+
+    Local views map the data file page by page on demand (random access), so a
+    view about to be read whole is announced first: the kernel then reads it
+    in large requests instead of one page per fault. Harmless for memory that
+    is not a file map; an OS without ``madvise`` skips it.
+    """
+    global _LIBC
+    if len(view) < _PAGE:
+        return
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        first = start - start % _PAGE
+        _LIBC.madvise(
+            ctypes.c_void_p(first), ctypes.c_size_t(start + len(view) - first), _MADV_WILLNEED
+        )
+    except (OSError, AttributeError):
+        pass
 
 
 def _check_run(table: BlockSums, view: memoryview, numbers: IntArray) -> int:
