@@ -19,7 +19,9 @@ folios of the page cache per fault make this coarse) and the bytes of the data
 file read from disk (the reader starts by dropping the file from the page
 cache, ``posix_fadvise(DONTNEED)``, then counts its cached pages with
 ``mincore``; ``--warm`` skips the drop), after the open, the first batch and
-the rank's whole epoch; the epoch's read time; and the reader's peak RSS.
+the rank's whole epoch; the epoch's read time; the rate of the rank's next
+epoch (a fresh order, start-up paid); and the reader's peak RSS and its
+unique memory (private pages, ``/proc/self/smaps_rollup``) at the end.
 ``--baseline DIR`` also reads the same store with the yogastore checkout at
 ``DIR`` (another version, for a before/after table); the two alternate,
 ``--repeats`` fresh reader processes each, and every figure is the median.
@@ -152,6 +154,16 @@ def _peak_rss() -> int:
     return 0
 
 
+def _unique() -> int:
+    """Return this process's unique memory (USS: private pages, clean or dirty)."""
+    total = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) << 10
+    return total
+
+
 def _verified(stats: dict[str, int]) -> int:
     if "bytes_verified" in stats:
         return int(stats["bytes_verified"])
@@ -186,6 +198,16 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
         records += len(next(iter(batch.values())))
     epoch_s = time.perf_counter() - epoch_started
     after_epoch = stream.stats()
+    read_epoch = _cached(data_file)
+    resident_epoch = _mapped_rss(data_file)
+    # The steady rate: the next epoch (a fresh order) of the same rank, after start-up.
+    started = time.perf_counter()
+    again = 0
+    for batch in ref.stream(args.rank, args.num_shards, shuffle=True, seed=0, epoch=1).batches(
+        args.batch_size
+    ):
+        again += len(next(iter(batch.values())))
+    steady = again / (time.perf_counter() - started)
     return {
         "open_s": opened,
         "first_batch_s": first_s,
@@ -193,13 +215,15 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
         "verified_first": _verified(after_first),
         "verified_epoch": _verified(after_epoch),
         "resident_first": rss_first,
-        "resident_epoch": _mapped_rss(data_file),
+        "resident_epoch": resident_epoch,
         "cached_before": cold,
         "read_open": after_open,
         "read_first": read_first,
-        "read_epoch": _cached(data_file),
+        "read_epoch": read_epoch,
         "epoch_s": epoch_s,
+        "steady_rate": steady,
         "peak_rss": _peak_rss(),
+        "unique": _unique(),
         "file_bytes": data_file.stat().st_size,
     }
 
@@ -277,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         ("data file resident, epoch", lambda r: f"{r['resident_epoch'] / mib:,.1f} MiB"),
         ("data file in page cache, epoch", lambda r: f"{r['read_epoch'] / mib:,.1f} MiB"),
         ("the rank's epoch, first batch included", lambda r: f"{r['epoch_s'] * 1e3:,.1f} ms"),
+        ("next epoch, records/s", lambda r: f"{r['steady_rate']:,.0f}"),
         ("peak RSS of the reader", lambda r: f"{r['peak_rss'] / mib:,.0f} MiB"),
+        ("unique memory (USS) at the end", lambda r: f"{r['unique'] / mib:,.0f} MiB"),
     ]
     print(f"  {'':<34}" + "".join(f"{name:>18}" for name in runs))
     for name, cell in rows:

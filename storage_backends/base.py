@@ -248,6 +248,17 @@ class Backend(abc.ABC):
         """
         self._check_mapped(key)
 
+    def will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> None:
+        """Announce reads of byte ranges ``[starts[i], ends[i])`` of ``key``'s value.
+
+        Backends whose ``get`` maps a file page by page on demand start reading
+        those pages in the background, so the reads that follow find them in
+        memory instead of each waiting for its own page; others ignore it.
+        Advisory only: nothing is checked or raised, a key not read yet may
+        be ignored, and the reads may come without it.
+        """
+        self._will_read(key, starts, ends)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; buffers returned earlier become invalid."""
 
@@ -290,6 +301,11 @@ class Backend(abc.ABC):
         pass
 
     def _check_mapped(self, key: str) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _will_read(  # noqa: B027 - optional hook
+        self, key: str, starts: Sequence[int], ends: Sequence[int]
+    ) -> None:
         pass
 
     def _disk_usage(self, prefix: str) -> int:

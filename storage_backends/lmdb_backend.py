@@ -48,7 +48,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -299,6 +299,17 @@ class _Env:
             except lmdb.Error as err:
                 raise translate_error(err, self.path, "listing") from err
 
+    def will_read(self, key: bytes, starts: Sequence[int], ends: Sequence[int]) -> None:
+        """Start reading these ranges of a located value from the file (advice only)."""
+        snap = self.snapshot
+        spot = snap.spots.get(key) if snap is not None and snap.spots else None
+        if spot is None:
+            return
+        with contextlib.suppress(OSError):
+            for lo, hi in zip(starts, ends, strict=True):
+                if 0 <= lo < hi <= spot.size:
+                    os.posix_fadvise(self.fd, spot.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+
     def check_mapped(self) -> None:
         """Raise ``CorruptCacheError`` if views of this file could no longer be read."""
         st = os.fstat(self.fd)  # lock-free: ``seen`` only grows
@@ -517,6 +528,12 @@ class LmdbBackend(Backend):
         entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
         if entry is not None:
             entry.extra.check_mapped()
+
+    def _will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> None:
+        directory, _, name = key.rpartition("/")
+        entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
+        if entry is not None:
+            entry.extra.will_read(name.encode(), starts, ends)
 
     def _get(self, key: str) -> Buffer:
         path, name = self._split(key)

@@ -7,6 +7,7 @@ import mmap
 import multiprocessing
 import os
 import random
+import time
 from pathlib import Path
 
 import lmdb
@@ -221,3 +222,44 @@ def test_the_read_path_serves_located_bytes_and_survives_a_damaged_tree(tmp_path
                 assert bytes(backend.get(key)) == value
     finally:
         backend.close()
+
+
+def test_announced_ranges_are_read_ahead_and_nothing_else(tmp_path: Path) -> None:
+    child = multiprocessing.get_context("fork").Process(target=_build_16k, args=(str(tmp_path),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    data = tmp_path / "d" / "1" / "data.mdb"
+    _drop_cached(data)
+    if _resident_pages(data) > 64:
+        pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED")
+    backend = LmdbBackend(str(tmp_path))
+    try:
+        key = next(k for k in backend.list("d/1/") if "/c-" in k)
+        before = _resident_pages(data)
+        backend.will_read(key, (1 << 20,), (2 << 20,))  # before any read: ignored
+        backend.will_read("d/1/no-such-key", (0,), (4096,))
+        backend.will_read(key, (5,), (3,))  # empty and reversed ranges: ignored
+        assert _resident_pages(data) <= before + 8
+        view = backend.get(key)  # maps the value; touches none of it
+        backend.will_read(key, (1 << 20,), (2 << 20,))
+        deadline = time.monotonic() + 10
+        while _resident_pages(data) < before + 256 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        resident = _resident_pages(data)
+        assert before + 256 <= resident <= before + 256 + 16  # that MiB, read ahead
+        del view
+    finally:
+        backend.close()
+
+
+def test_block_spans_merge_consecutive_blocks() -> None:
+    from yogastore.format.blocks import BlockSums
+    from yogastore.read.verified import _block_spans
+
+    table = BlockSums(
+        np.zeros(10, np.uint64), base=100, size=4096, total=100 + 9 * 4096 + 10, where=""
+    )
+    starts, ends = _block_spans(table, np.array([0, 1, 2, 5, 7, 8, 9]))
+    assert starts == [100, 100 + 5 * 4096, 100 + 7 * 4096]
+    assert ends == [100 + 3 * 4096, 100 + 6 * 4096, 100 + 9 * 4096 + 10]  # the last block is short

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -238,8 +239,12 @@ class LocalChunkSource:
         # not shrink since (an outside truncation), which would be a SIGBUS.
         self.backend.check_mapped(self._mapped_key)
         if not self._all_loaded:
-            for c in np.unique(which[~self._loaded[which]]):
-                self.view(int(c))
+            new = np.unique(which[~self._loaded[which]]).tolist()
+            chunks = self.manifest.chunks
+            for c in new if len(new) > 1 else ():  # their indexes, read in parallel
+                self.backend.will_read(chunks[c].key, (0,), (chunks[c].index_bytes,))
+            for c in new:
+                self.view(c)
         memo = self._memo
         if not memo.all_complete:
             pending = ~memo.complete[which]
@@ -257,11 +262,21 @@ class LocalChunkSource:
         """Check the blocks holding these records' bytes, in every column (before any copy)."""
         chunks, starts, ends = record_ranges(self._rows, which, local)
         hashed = verify_blocks(
-            self._memo, chunks, starts, ends, self._sums, self._data, self._checksums
+            self._memo,
+            chunks,
+            starts,
+            ends,
+            self._sums,
+            self._data,
+            self._checksums,
+            will_read=self._will_read,
         )
         if hashed:
             with self._lock:
                 self.stats.bytes_verified += hashed
+
+    def _will_read(self, chunk: int, starts: Sequence[int], ends: Sequence[int]) -> None:
+        self.backend.will_read(self.manifest.chunks[chunk].key, starts, ends)
 
     def close(self) -> None:
         self._views.clear()

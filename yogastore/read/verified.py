@@ -34,10 +34,9 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -187,6 +186,7 @@ def verify_blocks(
     sums: dict[int, BlockSums],
     data: dict[int, memoryview],
     checksums: Sequence[str],
+    will_read: Callable[[int, Sequence[int], Sequence[int]], None] | None = None,
 ) -> int:
     """Check the blocks holding byte ranges ``[starts, ends)`` of ``chunks`` not checked yet.
 
@@ -205,6 +205,9 @@ def verify_blocks(
         sums: each chunk's block table.
         data: each chunk's bytes.
         checksums: every chunk's checksum, as the manifest records it.
+        will_read: called with a chunk and byte ranges of it before any is
+            hashed, so a backend mapping files on demand can read them ahead
+            (all of a batch at once: the disk serves them in parallel).
 
     Returns:
         The bytes hashed (0 when every block was checked before).
@@ -236,8 +239,12 @@ def verify_blocks(
     marks: list[IntArray] = []
     pieces = list(zip(runs.tolist(), np.split(ids, cuts), strict=True))
     whole = {c for c, run in pieces if len(run) * _WHOLE_SHARE >= len(sums[c].sums)}
-    for chunk in whole:  # read ahead, all at once, what is hashed whole
-        will_need(data[chunk])
+    if will_read is not None:  # announce every read of the batch, then read
+        for chunk, run in pieces:
+            if chunk in whole:
+                will_read(chunk, (0,), (len(data[chunk]),))
+            else:
+                will_read(chunk, *_block_spans(sums[chunk], run - int(memo.slot[chunk])))
     for chunk, run in pieces:
         table, view = sums[chunk], data[chunk]
         slot = int(memo.slot[chunk])
@@ -252,32 +259,14 @@ def verify_blocks(
     return hashed
 
 
-_MADV_WILLNEED = 3
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_LIBC: ctypes.CDLL | None = None
-
-
-def will_need(view: memoryview) -> None:
-    """Ask the OS to start reading the pages of ``view`` (a memory map) in the background.
-
-    Local views map the data file page by page on demand (random access), so a
-    view about to be read whole is announced first: the kernel then reads it
-    in large requests instead of one page per fault. Harmless for memory that
-    is not a file map; an OS without ``madvise`` skips it.
-    """
-    global _LIBC
-    if len(view) < _PAGE:
-        return
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        start = np.frombuffer(view, dtype=np.uint8).ctypes.data
-        first = start - start % _PAGE
-        _LIBC.madvise(
-            ctypes.c_void_p(first), ctypes.c_size_t(start + len(view) - first), _MADV_WILLNEED
-        )
-    except (OSError, AttributeError):
-        pass
+def _block_spans(table: BlockSums, numbers: IntArray) -> tuple[list[int], list[int]]:
+    """Byte ranges covering blocks ``numbers`` (sorted), consecutive blocks merged."""
+    breaks = np.flatnonzero(np.diff(numbers) != 1) + 1
+    firsts = numbers[np.concatenate([[0], breaks])]
+    lasts = numbers[np.concatenate([breaks - 1, [len(numbers) - 1]])]
+    starts = table.base + firsts * table.size
+    ends = np.minimum(table.base + (lasts + 1) * table.size, table.total)
+    return starts.tolist(), ends.tolist()
 
 
 def _check_run(table: BlockSums, view: memoryview, numbers: IntArray) -> int:
