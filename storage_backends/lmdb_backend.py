@@ -43,7 +43,6 @@ import ctypes
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import threading
 import time
@@ -139,12 +138,12 @@ class _Snapshot:
         holder._snapshot = self  # type: ignore[attr-defined]
         return memoryview(holder).cast("B").toreadonly()
 
-    def pin_range(self, mapped: mmap.mmap, offset: int, size: int) -> memoryview:
-        """Return a read-only view of ``mapped[offset:offset + size]`` keeping this alive.
+    def pin_range(self, mapped: lmdb_pages.Mapping, offset: int, size: int) -> memoryview:
+        """Return a read-only view of ``mapped``'s ``[offset, offset + size)`` keeping this alive.
 
         No page of the range is touched here: the reader pages in what it reads.
         """
-        address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data + offset
+        address = mapped.address + offset
         holder = (ctypes.c_ubyte * size).from_address(address)
         holder._snapshot = self  # type: ignore[attr-defined]
         holder._map = mapped  # type: ignore[attr-defined]
@@ -174,7 +173,7 @@ class _Env:
         self.verified = -1  # last transaction id whose file structure was checked
         # The data file mapped by this module (read-only, random access) for large
         # values, which LMDB would page in whole when it hands them out.
-        self.mapped: mmap.mmap | None = None
+        self.mapped: lmdb_pages.Mapping | None = None
         self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
 
     # Reading ------------------------------------------------------------------
@@ -258,21 +257,36 @@ class _Env:
         raise _corrupt(self.path, "; ".join(problems[:3]))
 
     def _located(self, snap: _Snapshot, key: bytes) -> memoryview | None:
-        """A view of ``key``'s value mapped here, untouched; ``None``: ask LMDB."""
+        """A view of ``key``'s value mapped here, untouched; ``None``: ask LMDB.
+
+        Raises:
+            CorruptCacheError: the value runs past the end of the file, or its
+                first page is not the overflow page the tree points at; LMDB
+                would read missing pages (``SIGBUS``) or wrong ones.
+        """
         if snap.spots is None:
             snap.spots = lmdb_pages.locate_big_values(self.fd, snap.txnid) or {}
         spot = snap.spots.get(key)
-        if spot is None or not lmdb_pages.overflow_header_ok(self.fd, spot):
+        if spot is None:
             return None
         end = spot.offset + spot.size
-        if self.mapped is None or len(self.mapped) < end:
+        if self.mapped is None or self.mapped.size < end:
+            self.check_size()  # shrank under this process
             size = os.fstat(self.fd).st_size
             if size < end:
-                return None
-            mapped = mmap.mmap(self.fd, size, prot=mmap.PROT_READ)
-            # Random access: a fault reads its page, not a window around it.
-            mapped.madvise(mmap.MADV_RANDOM)
-            self.mapped = mapped  # an older map lives on through its views
+                raise _corrupt(
+                    self.path,
+                    f"value {key.decode(errors='replace')!r} ends at byte {end:,}, past the "
+                    f"end of the {size:,}-byte file (truncated)",
+                )
+            self.mapped = lmdb_pages.Mapping(self.fd, size)  # older maps live on through views
+        if not lmdb_pages.overflow_header_ok(self.fd, spot):
+            self.check_size()
+            raise _corrupt(
+                self.path,
+                f"value {key.decode(errors='replace')!r}: page {spot.pgno} is not the "
+                "overflow page its tree points at",
+            )
         return snap.pin_range(self.mapped, spot.offset, spot.size)
 
     def read(self, key: bytes) -> memoryview | None:

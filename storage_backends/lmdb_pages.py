@@ -11,9 +11,10 @@ file and touch only the pages it reads.
 It reads LMDB 0.9's 64-bit on-disk layout (data version 1, 16-byte page
 headers), the layout py-lmdb writes. Anything else, or anything that does not
 look exactly as that layout requires (a page that does not hold its own page
-number, a depth or page count beyond the meta page's, a value past the end of
-the file), answers ``None``: the caller then reads through LMDB, which is
-always correct, only slower. The file's structure is checked by
+number, a depth or page count beyond the meta page's), answers ``None``: the
+caller then reads through LMDB, which is always correct, only slower. A value
+running past the end of the file is located all the same, so that the caller
+reports the damage. The file's structure is checked by
 ``lmdb.verify`` before the first read of each committed snapshot; this walk
 is a second, minimal reader, not a verifier, and every byte served from a
 located value is still checked against the build's block checksums above.
@@ -21,11 +22,14 @@ located value is still checked against the build's block checksums above.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import struct
 from dataclasses import dataclass
 
-__all__ = ["Located", "locate_big_values", "overflow_header_ok"]
+__all__ = ["Located", "Mapping", "locate_big_values", "overflow_header_ok"]
 
 _MAGIC = 0xBEEFC0DE
 _VERSION = 1  # LMDB 0.9's data version
@@ -129,7 +133,7 @@ def _walk(fd: int, txnid: int) -> dict[bytes, Located]:
     found: dict[bytes, Located] = {}
     if meta.root == _P_INVALID:  # an empty database
         return found
-    psize, file_size = meta.psize, os.fstat(fd).st_size
+    psize, file_size = meta.psize, os.fstat(fd).st_size  # tree pages must lie inside
     stack = [(meta.root, 1)]
     walked = 0
     while stack:
@@ -161,8 +165,10 @@ def _walk(fd: int, txnid: int) -> dict[bytes, Located]:
             first = _U64.unpack_from(page, node + _NODESIZE + ksize)[0]
             size = lo | hi << 16
             offset = first * psize + _PAGEHDRSZ
-            if first < 2 or offset + size > file_size:
+            if first < 2:
                 raise _Unexpected
+            # A value running past the end of the file is kept: the reader names the
+            # damage (LMDB would read the missing pages and die of SIGBUS).
             found[key] = Located(offset, size, first, psize)
     return found
 
@@ -181,3 +187,49 @@ def overflow_header_ok(fd: int, spot: Located) -> bool:
         and flags & _P_OVERFLOW != 0
         and pages * spot.psize >= spot.size + _PAGEHDRSZ
     )
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc = libc
+    return _libc
+
+
+class Mapping:
+    """A read-only map of a whole file, unmapped when the last reference goes.
+
+    Unlike ``mmap.mmap``, it keeps no duplicate of the descriptor: a process
+    holding many versions open does not hold two descriptors for each. Views
+    keep it alive by referring to it.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        libc = _c()
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {size:,} bytes failed: {os.strerror(err or errno.EIO)}")
+        self.address: int = address
+        self.size = size
+        # Random access: a fault reads its page, not a window around it.
+        libc.madvise(address, size, mmap.MADV_RANDOM)
+
+    def __del__(self) -> None:
+        if _libc is not None and getattr(self, "address", None):
+            _libc.munmap(self.address, self.size)
