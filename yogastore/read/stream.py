@@ -286,9 +286,29 @@ class Stream:
 
     def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
         """Yield ``(records, column batches)``, reading ahead on a background thread."""
-        indices = self.record_indices(batch_size)
+        indices: Iterator[IntArray] = self.record_indices(batch_size)
         if drop_remainder:
             indices = (r for r in indices if len(r) == batch_size)
+        return self._gathered(indices)
+
+    def _ramped_indices(self, batch_size: int, k: int) -> Iterator[IntArray]:
+        """This rank's records in groups of 1, 2, 4, ... up to ``k`` batches.
+
+        The first batch then costs one batch's gather (and its first
+        checks), not a whole group's, and the groups soon reach full size.
+        """
+        group: list[IntArray] = []
+        want = 1
+        for records in self.record_indices(batch_size):
+            group.append(records)
+            if len(group) == want:
+                yield group[0] if want == 1 else np.concatenate(group)
+                group = []
+                want = min(k, want * 2)
+        if group:
+            yield np.concatenate(group)
+
+    def _gathered(self, indices: Iterator[IntArray]) -> Iterator[Any]:
         source = self.source
         plan = getattr(source, "plan", None)  # sources that look ahead (remote reads)
         if plan is not None:
@@ -377,7 +397,7 @@ class Stream:
                 yield batch
                 del batch
             return
-        for _records, cols in self.column_batches(batch_size * k):
+        for _records, cols in self._gathered(self._ramped_indices(batch_size, k)):
             arrays = batch_components(schema, cols, where, strings)
             del cols
             n = batch_length(schema, arrays)
