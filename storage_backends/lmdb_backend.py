@@ -14,10 +14,14 @@ the per-process and fork ones):
 * A buffer returned by ``get`` pins the read transaction it came from (and
   only that): the transaction ends when the last view of its buffers is
   gone, so reader slots never leak however often a missing key is polled.
-* Before the first read of each committed snapshot, the file's structure is
-  checked (``lmdb.verify``, a reader that never maps the file) under LMDB's
-  writer lock, so a damaged page is a ``CorruptCacheError`` naming the file
-  instead of a ``SIGBUS`` inside LMDB.
+* Values are found by this module's own reader of the committed tree
+  (``storage_backends.lmdb_pages``: branch and leaf pages only, every field
+  bounds-checked) and read from a map of the file made here, so a read touches
+  the pages it reads and no more, and LMDB does not walk the tree. Only when
+  that reader declines a file, or a listing asks LMDB to walk it, is the file's
+  structure checked first (``lmdb.verify``, a reader that never maps the file,
+  but visits every page), under LMDB's writer lock, so a damaged page is a
+  ``CorruptCacheError`` naming the file instead of a ``SIGBUS`` inside LMDB.
 * LMDB never shrinks a data file, so a file smaller than this process last saw
   it was truncated by an outside fault: every read, and ``check_mapped``
   before each batch gathered from views of it, compares the open file's size
@@ -121,12 +125,21 @@ def _corrupt(path: Path, detail: str) -> CorruptCacheError:
 class _Snapshot:
     """One read transaction, alive while this object or any view it pinned is."""
 
-    __slots__ = ("__weakref__", "spots", "txn", "txnid")
+    __slots__ = ("__weakref__", "spots", "txn", "txnid", "walked")
 
     def __init__(self, txn: Any) -> None:
         self.txn = txn
         self.txnid = int(txn.id())
-        self.spots: dict[bytes, Located] | None = None  # large values, found without LMDB
+        # Where each value is in the file (``None``: not a file lmdb_pages reads).
+        self.spots: dict[bytes, Located] | None = None
+        self.walked = False
+
+    def located(self, fd: int) -> dict[bytes, Located] | None:
+        """Where each value of this commit is (read once), or ``None``: ask LMDB."""
+        if not self.walked:
+            self.spots = lmdb_pages.locate_values(fd, self.txnid)
+            self.walked = True
+        return self.spots
 
     def pin(self, value: Any) -> memoryview:
         """Return a read-only view of ``value`` that keeps this transaction alive."""
@@ -143,11 +156,16 @@ class _Snapshot:
 
         No page of the range is touched here: the reader pages in what it reads.
         """
+        if size == 0:
+            return memoryview(b"")
         address = mapped.address + offset
         holder = (ctypes.c_ubyte * size).from_address(address)
         holder._snapshot = self  # type: ignore[attr-defined]
         holder._map = mapped  # type: ignore[attr-defined]
         return memoryview(holder).cast("B").toreadonly()
+
+
+_ABSENT = memoryview(b"absent")  # the tree holds no such key (identity-compared)
 
 
 class _Vanished(Exception):
@@ -218,11 +236,15 @@ class _Env:
             self.env.set_mapsize(0)
             txn = self.env.begin(buffers=True)
         snap = _Snapshot(txn)
+        self.snapshot = snap
+        self.live.add(snap)
+        return snap
+
+    def _trusted(self, snap: _Snapshot) -> _Snapshot:
+        """Return ``snap`` once LMDB may walk its file: its structure checked for this commit."""
         if snap.txnid != self.verified:
             self._verify()
             self.verified = snap.txnid
-        self.snapshot = snap
-        self.live.add(snap)
         return snap
 
     def _verify(self) -> None:
@@ -264,11 +286,12 @@ class _Env:
                 first page is not the overflow page the tree points at; LMDB
                 would read missing pages (``SIGBUS``) or wrong ones.
         """
-        if snap.spots is None:
-            snap.spots = lmdb_pages.locate_big_values(self.fd, snap.txnid) or {}
-        spot = snap.spots.get(key)
-        if spot is None:
+        spots = snap.located(self.fd)
+        if spots is None:  # not a file this module reads: LMDB, once checked
             return None
+        spot = spots.get(key)
+        if spot is None:
+            return _ABSENT
         end = spot.offset + spot.size
         if self.mapped is None or self.mapped.size < end:
             self.check_size()  # shrank under this process
@@ -294,9 +317,11 @@ class _Env:
             try:
                 snap = self._current()
                 view = self._located(snap, key)
+                if view is _ABSENT:
+                    return None
                 if view is not None:
                     return view
-                value = snap.txn.get(key)
+                value = self._trusted(snap).txn.get(key)
             except _Vanished:
                 return None
             except lmdb.Error as err:
@@ -307,7 +332,11 @@ class _Env:
         with self.mutex:
             try:
                 snap = self._current()
-                return [bytes(k).decode() for k in snap.txn.cursor().iternext(values=False)]
+                spots = snap.located(self.fd)
+                if spots is not None:  # in LMDB's order
+                    return [k.decode() for k in sorted(spots)]
+                cursor = self._trusted(snap).txn.cursor()
+                return [bytes(k).decode() for k in cursor.iternext(values=False)]
             except _Vanished:
                 return []
             except lmdb.Error as err:
@@ -319,7 +348,7 @@ class _Env:
         spot = snap.spots.get(key) if snap is not None and snap.spots else None
         if spot is None:
             return
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, OverflowError):  # a damaged tree: read, then caught
             for lo, hi in zip(starts, ends, strict=True):
                 if 0 <= lo < hi <= spot.size:
                     os.posix_fadvise(self.fd, spot.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)

@@ -1,23 +1,31 @@
-"""Where LMDB keeps large values in its data file, found without touching them.
+"""Where LMDB keeps each value in its data file, found without LMDB.
 
-py-lmdb touches every page of a value it returns (it pre-faults the value so
-that the GIL is not held across page faults). For a 4 MiB chunk of which a
-reader wants one 16 KiB record, that reads the whole chunk from disk. This
-module reads the committed B-tree of the main database itself (a few pages,
-with ``pread``) and returns, for each key whose value lives on overflow pages,
-the value's byte offset and length in the file, so the reader can map the
-file and touch only the pages it reads.
+Two costs of reading through LMDB that grow with the file, not with what is
+read, are avoided this way:
+
+* py-lmdb touches every page of a value it returns (it pre-faults the value so
+  that the GIL is not held across page faults): for a 4 MiB chunk of which a
+  reader wants one 16 KiB record, the whole chunk is read from disk.
+* LMDB trusts the file's structure, so a damaged page could crash it; the
+  backend therefore checks the whole file (``lmdb.verify``, which visits every
+  page: seconds per gigabyte-sized file, per process) before LMDB may walk it.
+
+This module reads the committed B-tree of the main database itself (its
+branch and leaf pages only, with ``pread``: a few pages per thousand keys,
+whatever the size of the values) with bounds checks on every field it uses,
+and returns for each key the byte offset and length of its value in the file.
+The reader maps the file and touches only the pages it reads, and LMDB never
+walks the tree, so nothing needs the whole-file check.
 
 It reads LMDB 0.9's 64-bit on-disk layout (data version 1, 16-byte page
 headers), the layout py-lmdb writes. Anything else, or anything that does not
 look exactly as that layout requires (a page that does not hold its own page
-number, a depth or page count beyond the meta page's), answers ``None``: the
-caller then reads through LMDB, which is always correct, only slower. A value
-running past the end of the file is located all the same, so that the caller
-reports the damage. The file's structure is checked by
-``lmdb.verify`` before the first read of each committed snapshot; this walk
-is a second, minimal reader, not a verifier, and every byte served from a
-located value is still checked against the build's block checksums above.
+number, a node outside its page, a depth or page count beyond the meta
+page's, a cycle), answers ``None``: the caller then checks the file and reads
+through LMDB. A value running past the end of the file is located all the
+same, so that the caller reports the damage. This walk is a reader, not a
+verifier: bytes of the values it locates are checked against the build's
+checksums (chunk indexes and data blocks) before use, as before.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-__all__ = ["Located", "Mapping", "locate_big_values", "overflow_header_ok"]
+__all__ = ["Located", "Mapping", "locate_values", "overflow_header_ok"]
 
 _MAGIC = 0xBEEFC0DE
 _VERSION = 1  # LMDB 0.9's data version
@@ -40,7 +48,7 @@ _F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
 _MDB_DUPSORT = 0x04
 _P_INVALID = (1 << 64) - 1
 _MAX_DEPTH = 32  # LMDB's cursor stack
-_MAX_TREE_PAGES = 1 << 16  # branch + leaf pages walked at most (a billion records: ~100)
+_MAX_TREE_PAGES = 1 << 20  # branch + leaf pages walked at most (4 GiB of tree)
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -54,7 +62,7 @@ class Located:
 
     offset: int
     size: int
-    pgno: int  # its first overflow page, whose header is checked before use
+    pgno: int  # its first overflow page, whose header is checked before use; 0: in a leaf
     psize: int
 
 
@@ -108,8 +116,8 @@ def _committed(fd: int, txnid: int) -> _Meta:
     raise _Unexpected  # a newer commit rewrote the snapshot's meta page
 
 
-def locate_big_values(fd: int, txnid: int) -> dict[bytes, Located] | None:
-    """Map each key of the main database stored on overflow pages to where its value is.
+def locate_values(fd: int, txnid: int) -> dict[bytes, Located] | None:
+    """Map each key of the main database to where its value is in the file.
 
     Args:
         fd: an open descriptor of the environment's data file.
@@ -122,7 +130,7 @@ def locate_big_values(fd: int, txnid: int) -> dict[bytes, Located] | None:
     """
     try:
         return _walk(fd, txnid)
-    except (_Unexpected, struct.error, OSError):
+    except (_Unexpected, struct.error, OSError, OverflowError):
         return None
 
 
@@ -159,11 +167,17 @@ def _walk(fd: int, txnid: int) -> dict[bytes, Located]:
             if kind == _P_BRANCH:
                 stack.append((lo | hi << 16 | nflags << 32, depth + 1))
                 continue
-            if nflags & (_F_SUBDATA | _F_DUPDATA) or not nflags & _F_BIGDATA:
-                continue  # a named database, or a value small enough to sit in the leaf
+            if nflags & (_F_SUBDATA | _F_DUPDATA):
+                continue  # a named database or duplicates: not this store's layout
             key = page[node + _NODESIZE : node + _NODESIZE + ksize]
-            first = _U64.unpack_from(page, node + _NODESIZE + ksize)[0]
             size = lo | hi << 16
+            if not nflags & _F_BIGDATA:  # a small value, inside the leaf page
+                at = node + _NODESIZE + ksize
+                if at + size > psize:
+                    raise _Unexpected
+                found[key] = Located(pgno * psize + at, size, 0, psize)
+                continue
+            first = _U64.unpack_from(page, node + _NODESIZE + ksize)[0]
             offset = first * psize + _PAGEHDRSZ
             if first < 2:
                 raise _Unexpected
@@ -175,9 +189,11 @@ def _walk(fd: int, txnid: int) -> dict[bytes, Located]:
 
 def overflow_header_ok(fd: int, spot: Located) -> bool:
     """Whether ``spot``'s first page is an overflow page of itself, long enough for it."""
+    if spot.pgno == 0:
+        return True  # in a leaf page the walk read
     try:
         head = _read(fd, spot.offset - _PAGEHDRSZ, _PAGEHDRSZ)
-    except (_Unexpected, OSError):
+    except (_Unexpected, OSError, OverflowError):
         return False
     pgno: int = _U64.unpack_from(head, 0)[0]
     flags: int = _U16.unpack_from(head, 10)[0]

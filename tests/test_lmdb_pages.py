@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import lmdb
+import lmdb.verify
 import numpy as np
 import pytest
 
@@ -39,7 +40,7 @@ def _located(path: Path) -> tuple[dict[bytes, lmdb_pages.Located] | None, int]:
         txnid = int(txn.id())
     fd = os.open(path / "data.mdb", os.O_RDONLY)
     try:
-        return lmdb_pages.locate_big_values(fd, txnid), txnid
+        return lmdb_pages.locate_values(fd, txnid), txnid
     finally:
         os.close(fd)
 
@@ -51,7 +52,7 @@ def _file_bytes(path: Path, spot: lmdb_pages.Located) -> bytes:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_large_value_is_found_exactly_after_puts_overwrites_and_deletes(
+def test_every_value_is_found_exactly_after_puts_overwrites_and_deletes(
     tmp_path: Path, seed: int
 ) -> None:
     values = _values(seed, 120)
@@ -71,12 +72,13 @@ def test_every_large_value_is_found_exactly_after_puts_overwrites_and_deletes(
                 txn.put(key, values[key])
     found, _ = _located(tmp_path)
     assert found is not None
-    # Exactly the values too large for a leaf page, at the bytes LMDB stores.
-    large = {k for k, v in values.items() if len(v) > 2000}
-    assert set(found) == large
+    # Every value, at the bytes LMDB stores: small ones inside leaf pages, large
+    # ones on overflow pages.
+    assert set(found) == set(values)
     for key, spot in found.items():
         assert spot.size == len(values[key])
         assert _file_bytes(tmp_path, spot) == values[key]
+        assert (spot.pgno == 0) == (len(values[key]) <= 2000)
 
 
 def test_an_empty_environment_has_nothing_to_locate(tmp_path: Path) -> None:
@@ -93,14 +95,14 @@ def test_another_transaction_or_a_foreign_file_is_not_located(tmp_path: Path) ->
     assert found is not None and set(found) == {b"a"}
     fd = os.open(tmp_path / "data.mdb", os.O_RDONLY)
     try:
-        assert lmdb_pages.locate_big_values(fd, txnid + 7) is None  # no meta page of it
+        assert lmdb_pages.locate_values(fd, txnid + 7) is None  # no meta page of it
     finally:
         os.close(fd)
     other = tmp_path / "other"
     other.write_bytes(os.urandom(3 * PAGE))
     fd = os.open(other, os.O_RDONLY)
     try:
-        assert lmdb_pages.locate_big_values(fd, txnid) is None
+        assert lmdb_pages.locate_values(fd, txnid) is None
     finally:
         os.close(fd)
 
@@ -127,7 +129,7 @@ def test_flipped_tree_pages_never_locate_outside_the_data_pages(tmp_path: Path) 
         data.write_bytes(bytes(damaged))
         fd = os.open(data, os.O_RDONLY)
         try:
-            found = lmdb_pages.locate_big_values(fd, txnid)
+            found = lmdb_pages.locate_values(fd, txnid)
         finally:
             os.close(fd)
         if found is None:
@@ -302,3 +304,90 @@ def test_a_file_missing_its_last_pages_is_damage_not_a_crash(tmp_path: Path, wha
     child.join(120)
     # 3: CorruptCacheError naming the file; -7 would be SIGBUS.
     assert child.exitcode == (0 if what == "list" else 3)
+
+
+def _read_counting_checks(root: str) -> None:
+    """Child: read every record, exit 10 + the number of whole-file checks (20+, 30+: errors)."""
+    calls: list[str] = []
+    real = lmdb.verify.verify
+
+    def counting(path: str, subdir: bool | None = None) -> list[str]:
+        calls.append(path)
+        result: list[str] = real(path, subdir=subdir)
+        return result
+
+    lmdb.verify.verify = counting
+    try:
+        ref = yogastore.Store(root).open("d", "1")
+        got = [int(b[j, 0]) for b in ref.stream(shuffle=False).batches(64) for j in range(len(b))]
+    except CorruptCacheError as err:  # 20+: the file is damaged; 30+: bytes fail checksums
+        os._exit((20 if "damaged" in str(err) else 30) + len(calls))
+    except BaseException:
+        os._exit(6)
+    os._exit(10 + len(calls) if got == [i % 13 for i in range(300)] else 7)
+
+
+def _in_child(root: Path) -> int | None:
+    child = multiprocessing.get_context("fork").Process(
+        target=_read_counting_checks, args=(str(root),)
+    )
+    child.start()
+    child.join(120)
+    return child.exitcode
+
+
+def _build_small(root: Path) -> None:
+    spec = yogastore.ComponentSpec(shape=(1000,), dtype="uint8")
+    records = (np.full(1000, i % 13, np.uint8) for i in range(300))
+    yogastore.Store(root, chunk_bytes=64 << 10).cache("d", "1", lambda: records, spec=spec)
+
+
+def test_reading_a_sound_file_never_walks_it_whole(tmp_path: Path) -> None:
+    """``lmdb.verify`` visits every page; reads of a file the tree reader knows skip it."""
+    _build_small(tmp_path)
+    assert _in_child(tmp_path) == 10  # every record exact, no whole-file check
+    # A file whose tree the reader declines (the leaf pages' page numbers changed)
+    # is checked whole before LMDB may walk it, and the damage is reported.
+    data = tmp_path / "d" / "1" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    leaves = [
+        page
+        for page in range(2, len(raw) // PAGE)
+        if int.from_bytes(raw[page * PAGE : page * PAGE + 8], "little") == page  # a header
+        and int.from_bytes(raw[page * PAGE + 10 : page * PAGE + 12], "little") & 0x02
+    ]
+    assert leaves
+    for page in leaves:
+        raw[page * PAGE] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert _in_child(tmp_path) == 21  # one whole-file check, then CorruptCacheError
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"), [("2**63", 20), ("2**64-1", 20), ("inside", 20), ("other", 30)]
+)
+def test_an_overflow_page_number_out_of_range_is_damage(
+    tmp_path: Path, where: str, expected: int
+) -> None:
+    """A leaf pointing a chunk past the end, inside its own pages, or at another chunk."""
+    child = multiprocessing.get_context("fork").Process(target=_build_small, args=(tmp_path,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    found, _ = _located(tmp_path / "d" / "1")
+    assert found is not None
+    chunks = [(k, s) for k, s in sorted(found.items()) if k.startswith(b"c-")]
+    key, spot = chunks[0]
+    pgno = {
+        "2**63": 1 << 63,
+        "2**64-1": (1 << 64) - 1,
+        "inside": spot.pgno + 1,  # no page header there
+        "other": chunks[1][1].pgno,  # a sound overflow page, of another chunk
+    }[where]
+    data = tmp_path / "d" / "1" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    node = key + spot.pgno.to_bytes(8, "little")
+    assert node in raw  # in the live leaf page (and in older copies of it)
+    data.write_bytes(bytes(raw).replace(node, key + pgno.to_bytes(8, "little")))
+    # CorruptCacheError naming the file (or the chunk's index checksum), no LMDB walk.
+    assert _in_child(tmp_path) == expected
