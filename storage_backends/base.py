@@ -248,7 +248,7 @@ class Backend(abc.ABC):
         """
         self._check_mapped(key)
 
-    def will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> None:
+    def will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> bool:
         """Announce reads of byte ranges ``[starts[i], ends[i])`` of ``key``'s value.
 
         Backends whose ``get`` maps a file page by page on demand start reading
@@ -256,8 +256,13 @@ class Backend(abc.ABC):
         memory instead of each waiting for its own page; others ignore it.
         Advisory only: nothing is checked or raised, a key not read yet may
         be ignored, and the reads may come without it.
+
+        Returns:
+            Whether announcing more reads of ``key`` may help: ``False`` when
+            the backend has nothing to read ahead (the value is in memory, or
+            the backend does not read ahead), so a caller can stop asking.
         """
-        self._will_read(key, starts, ends)
+        return self._will_read(key, starts, ends)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; buffers returned earlier become invalid."""
@@ -303,10 +308,8 @@ class Backend(abc.ABC):
     def _check_mapped(self, key: str) -> None:  # noqa: B027 - optional hook
         pass
 
-    def _will_read(  # noqa: B027 - optional hook
-        self, key: str, starts: Sequence[int], ends: Sequence[int]
-    ) -> None:
-        pass
+    def _will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> bool:
+        return False
 
     def _disk_usage(self, prefix: str) -> int:
         return sum(self._size(key) for key in self._list(prefix))

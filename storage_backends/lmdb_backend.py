@@ -84,6 +84,7 @@ _INITIAL_MAP_SIZE = 1 << 34  # address space only; the file grows as written
 _OPEN_ATTEMPTS = 3  # a version opened for reading while another process rebuilds it
 _REOPEN_PAUSE = 0.02
 _LOCK_SUFFIX = ".lock"
+_RESIDENT = 0.9  # a value this much in the page cache is read without advice
 _WRITE_MARGIN = 1 << 20  # bytes beyond a value a commit may need (pages, metas)
 # LMDB failures that mean the file itself is damaged.
 _CORRUPT = (
@@ -192,6 +193,7 @@ class _Env:
         # The data file mapped by this module (read-only, random access) for large
         # values, which LMDB would page in whole when it hands them out.
         self.mapped: lmdb_pages.Mapping | None = None
+        self.cached: dict[bytes, bool] = {}  # values found in the page cache when first announced
         self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
 
     # Reading ------------------------------------------------------------------
@@ -342,16 +344,30 @@ class _Env:
             except lmdb.Error as err:
                 raise translate_error(err, self.path, "listing") from err
 
-    def will_read(self, key: bytes, starts: Sequence[int], ends: Sequence[int]) -> None:
-        """Start reading these ranges of a located value from the file (advice only)."""
+    def will_read(self, key: bytes, starts: Sequence[int], ends: Sequence[int]) -> bool:
+        """Start reading these ranges of a located value from the file (advice only).
+
+        Returns ``False`` once the value is known to be (nearly) all in the
+        page cache: a data set that fits in memory needs no advice.
+        """
         snap = self.snapshot
         spot = snap.spots.get(key) if snap is not None and snap.spots else None
         if spot is None:
-            return
+            return True  # not read yet
+        mapped = self.mapped
+        if mapped is not None and spot.offset + spot.size <= mapped.size:
+            # Once per value: one in the page cache when first announced needs no
+            # advice (the data fits in memory); one that is not keeps getting it.
+            cached = self.cached.get(key)
+            if cached is None:
+                cached = self.cached[key] = mapped.resident(spot.offset, spot.size) >= _RESIDENT
+            if cached:
+                return False
         with contextlib.suppress(OSError, OverflowError):  # a damaged tree: read, then caught
             for lo, hi in zip(starts, ends, strict=True):
                 if 0 <= lo < hi <= spot.size:
                     os.posix_fadvise(self.fd, spot.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        return True
 
     def check_mapped(self) -> None:
         """Raise ``CorruptCacheError`` if views of this file could no longer be read."""
@@ -572,11 +588,10 @@ class LmdbBackend(Backend):
         if entry is not None:
             entry.extra.check_mapped()
 
-    def _will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> None:
+    def _will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> bool:
         directory, _, name = key.rpartition("/")
         entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
-        if entry is not None:
-            entry.extra.will_read(name.encode(), starts, ends)
+        return entry is None or bool(entry.extra.will_read(name.encode(), starts, ends))
 
     def _get(self, key: str) -> Buffer:
         path, name = self._split(key)

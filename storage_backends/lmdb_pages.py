@@ -223,6 +223,7 @@ def _c() -> ctypes.CDLL:
         ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _libc = libc
     return _libc
 
@@ -245,6 +246,23 @@ class Mapping:
         self.size = size
         # Random access: a fault reads its page, not a window around it.
         libc.madvise(address, size, mmap.MADV_RANDOM)
+
+    def resident(self, offset: int, size: int, samples: int = 8) -> float:
+        """The share of ``samples`` pages spread over ``[offset, offset + size)`` in the page cache.
+
+        A sample, not every page: ``mincore`` over a 4 MiB range costs tens of
+        microseconds when the pages are not cached.
+        """
+        if size <= 0 or offset + size > self.size:
+            return 0.0
+        page = mmap.PAGESIZE
+        mincore, vec = _c().mincore, (ctypes.c_ubyte * 1)()
+        found = 0
+        for i in range(samples):
+            at = offset + (size - 1) * i // max(1, samples - 1)
+            if mincore(self.address + at - at % page, page, vec) == 0 and vec[0] & 1:
+                found += 1
+        return found / samples
 
     def __del__(self) -> None:
         if _libc is not None and getattr(self, "address", None):

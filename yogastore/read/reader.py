@@ -14,8 +14,9 @@ Whole chunks are verified by ``verify_chunk`` (``yogastore verify``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -32,7 +33,13 @@ from yogastore.format import ChunkView, ColumnBatch, parse_header
 from yogastore.format.blocks import BlockSums
 from yogastore.format.manifest import Manifest, checksum
 from yogastore.format.memory import column_rows, record_ranges
-from yogastore.read.verified import block_memo, check_regions, verify_blocks
+from yogastore.read.verified import (
+    Spans,
+    block_memo,
+    check_regions,
+    prefix_span,
+    verify_blocks,
+)
 
 __all__ = [
     "ChunkSource",
@@ -179,6 +186,7 @@ class LocalChunkSource:
         num_chunks = len(manifest.chunks)
         self._rows = column_rows(self._columns, num_chunks)
         self._loaded = np.zeros(num_chunks, dtype=bool)
+        self._advise = np.ones(num_chunks, dtype=bool)  # reads of it worth announcing
         self._all_loaded = num_chunks == 0
         self._memo = block_memo(backend.url, manifest)
         self._checksums = [c.checksum for c in manifest.chunks]
@@ -242,7 +250,7 @@ class LocalChunkSource:
             new = np.unique(which[~self._loaded[which]]).tolist()
             chunks = self.manifest.chunks
             for c in new if len(new) > 1 else ():  # their indexes, read in parallel
-                self.backend.will_read(chunks[c].key, (0,), (chunks[c].index_bytes,))
+                self._will_read(c, functools.partial(prefix_span, chunks[c].index_bytes))
             for c in new:
                 self.view(c)
         memo = self._memo
@@ -275,8 +283,12 @@ class LocalChunkSource:
             with self._lock:
                 self.stats.bytes_verified += hashed
 
-    def _will_read(self, chunk: int, starts: Sequence[int], ends: Sequence[int]) -> None:
-        self.backend.will_read(self.manifest.chunks[chunk].key, starts, ends)
+    def _will_read(self, chunk: int, spans: Callable[[], Spans]) -> None:
+        """Announce reads of ``chunk`` while the backend says that may help."""
+        if self._advise[chunk]:
+            starts, ends = spans()
+            key = self.manifest.chunks[chunk].key
+            self._advise[chunk] = self.backend.will_read(key, starts, ends)
 
     def close(self) -> None:
         self._views.clear()

@@ -34,6 +34,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ except ImportError:  # pragma: no cover - the package builds it on install
 
 __all__ = ["BlockMemo", "block_memo", "check_regions", "verify_blocks"]
 
+Spans = tuple[list[int], list[int]]  # byte ranges: starts, ends
 _WHOLE_SHARE = 4  # a quarter of a chunk's blocks at once: one hash of the whole chunk
 _BIT = np.left_shift(np.uint8(1), np.arange(8, dtype=np.uint8))
 
@@ -186,7 +188,7 @@ def verify_blocks(
     sums: dict[int, BlockSums],
     data: dict[int, memoryview],
     checksums: Sequence[str],
-    will_read: Callable[[int, Sequence[int], Sequence[int]], None] | None = None,
+    will_read: Callable[[int, Callable[[], Spans]], None] | None = None,
 ) -> int:
     """Check the blocks holding byte ranges ``[starts, ends)`` of ``chunks`` not checked yet.
 
@@ -205,9 +207,10 @@ def verify_blocks(
         sums: each chunk's block table.
         data: each chunk's bytes.
         checksums: every chunk's checksum, as the manifest records it.
-        will_read: called with a chunk and byte ranges of it before any is
-            hashed, so a backend mapping files on demand can read them ahead
-            (all of a batch at once: the disk serves them in parallel).
+        will_read: called with a chunk and a function giving the byte ranges
+            of it to be hashed (``(starts, ends)``), before any is hashed, so a
+            backend mapping files on demand can read them ahead (all of a
+            batch at once: the disk serves them in parallel).
 
     Returns:
         The bytes hashed (0 when every block was checked before).
@@ -242,9 +245,10 @@ def verify_blocks(
     if will_read is not None:  # announce every read of the batch, then read
         for chunk, run in pieces:
             if chunk in whole:
-                will_read(chunk, (0,), (len(data[chunk]),))
+                will_read(chunk, functools.partial(prefix_span, len(data[chunk])))
             else:
-                will_read(chunk, *_block_spans(sums[chunk], run - int(memo.slot[chunk])))
+                numbers = run - int(memo.slot[chunk])
+                will_read(chunk, functools.partial(_block_spans, sums[chunk], numbers))
     for chunk, run in pieces:
         table, view = sums[chunk], data[chunk]
         slot = int(memo.slot[chunk])
@@ -259,7 +263,12 @@ def verify_blocks(
     return hashed
 
 
-def _block_spans(table: BlockSums, numbers: IntArray) -> tuple[list[int], list[int]]:
+def prefix_span(end: int) -> Spans:
+    """The byte range ``[0, end)``."""
+    return [0], [end]
+
+
+def _block_spans(table: BlockSums, numbers: IntArray) -> Spans:
     """Byte ranges covering blocks ``numbers`` (sorted), consecutive blocks merged."""
     breaks = np.flatnonzero(np.diff(numbers) != 1) + 1
     firsts = numbers[np.concatenate([[0], breaks])]
