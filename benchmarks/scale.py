@@ -20,8 +20,9 @@ file read from disk (the reader starts by dropping the file from the page
 cache, ``posix_fadvise(DONTNEED)``, then counts its cached pages with
 ``mincore``; ``--warm`` skips the drop), after the open, the first batch and
 the rank's whole epoch; the epoch's read time; the rate of the rank's next
-epoch (a fresh order, start-up paid); and the reader's peak RSS and its
-unique memory (private pages, ``/proc/self/smaps_rollup``) at the end.
+epoch (a fresh order, start-up paid); and the reader's peak RSS (mapped file
+pages included) and its anonymous memory (heap and buffers, not the page
+cache's file pages, which every process of the machine shares) at the end.
 ``--baseline DIR`` also reads the same store with the yogastore checkout at
 ``DIR`` (another version, for a before/after table); the two alternate,
 ``--repeats`` fresh reader processes each, and every figure is the median.
@@ -154,14 +155,17 @@ def _peak_rss() -> int:
     return 0
 
 
-def _unique() -> int:
-    """Return this process's unique memory (USS: private pages, clean or dirty)."""
-    total = 0
+def _anonymous() -> int:
+    """Return this process's anonymous memory (heap and buffers; file pages excluded).
+
+    Pages of the data file a reader maps are the page cache's, shared by every
+    process of the machine that reads them; what each rank adds is this.
+    """
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1]) << 10
-    return total
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) << 10
+    return 0
 
 
 def _verified(stats: dict[str, int]) -> int:
@@ -223,7 +227,7 @@ def read(args: argparse.Namespace) -> dict[str, Any]:
         "epoch_s": epoch_s,
         "steady_rate": steady,
         "peak_rss": _peak_rss(),
-        "unique": _unique(),
+        "anonymous": _anonymous(),
         "file_bytes": data_file.stat().st_size,
     }
 
@@ -303,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         ("the rank's epoch, first batch included", lambda r: f"{r['epoch_s'] * 1e3:,.1f} ms"),
         ("next epoch, records/s", lambda r: f"{r['steady_rate']:,.0f}"),
         ("peak RSS of the reader", lambda r: f"{r['peak_rss'] / mib:,.0f} MiB"),
-        ("unique memory (USS) at the end", lambda r: f"{r['unique'] / mib:,.0f} MiB"),
+        ("anonymous memory at the end", lambda r: f"{r['anonymous'] / mib:,.0f} MiB"),
     ]
     print(f"  {'':<34}" + "".join(f"{name:>18}" for name in runs))
     for name, cell in rows:
