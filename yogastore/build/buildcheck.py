@@ -195,6 +195,14 @@ def check_source_size(source: Any, name: str, options: BuildOptions) -> int | No
     return n
 
 
+def _slab_bytes(slab: Any) -> int:
+    total = 0
+    for data in slab.columns:
+        values = data if isinstance(data, np.ndarray) else data[1]
+        total += _value_bytes(values) if isinstance(values, np.ndarray) else sum(map(len, values))
+    return total
+
+
 def _value_bytes(value: Any) -> int:
     if isinstance(value, bytes | str):
         return len(value)
@@ -225,6 +233,10 @@ def _guard(
             records += len(values[0]) if values else 0
             if max_bytes is not None:
                 nbytes += sum(_value_bytes(v) for v in values)
+        elif kind == "slab":
+            records += values[0].n
+            if max_bytes is not None:
+                nbytes += _slab_bytes(values[0])
         else:
             records += 1
             if max_bytes is not None:

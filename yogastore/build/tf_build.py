@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from yogastore.format.encode import Slab
+from yogastore.format.layout import columns_for
 from yogastore.read.stream import splittable
 from yogastore.spec import Kind, RaggedValue, Schema, SparseValue, row_bytes
 
@@ -106,32 +108,34 @@ def _growing_batches(ds: tf.data.Dataset, cap: int) -> tf.data.Dataset:
 
 
 def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, list[Any]]]:
-    """Yield the records of ``ds``, batched by tf.data and split with numpy slices.
+    """Yield the records of ``ds`` as slabs: batched by tf.data, handed over column by column.
 
-    For fixed-shape tensors (strings too) and rank-0 ragged components: tf.data's
-    per-element Python cost is then paid once per batch, not per record.
+    For fixed-shape tensors (strings too) and rank-0 ragged components: no
+    Python object per record, only per batch (strings stay one ``bytes`` each).
     """
+    columns = [c for comp in schema.components for c in columns_for(comp)]
     for batch in _growing_batches(ds, _FIRST_PASS_BATCH).prefetch(2):
         leaves = schema.flatten(_plain(batch))
         n = 0
-        getters: list[Any] = []
-        for comp, leaf in zip(schema.components, leaves, strict=True):
+        data: list[Any] = []
+        for comp, col, leaf in zip(schema.components, columns, leaves, strict=True):
             if comp.kind is Kind.TENSOR:
                 arr = np.asarray(leaf)
                 n = len(arr)
-                getters.append(arr)
+                if col.layout == "fixed":
+                    data.append(arr)
+                else:  # strings of a fixed shape
+                    shapes = np.broadcast_to(np.asarray(arr.shape[1:], np.int64), (n, col.ndim))
+                    data.append((shapes, arr.reshape(-1)))
             else:
                 splits = np.asarray(leaf.nested_row_splits[0], dtype=np.int64)
+                flat = np.asarray(leaf.flat_values)
                 n = len(splits) - 1
-                getters.append((np.asarray(leaf.flat_values), splits))
-        for i in range(n):
-            yield (
-                "record",
-                [
-                    g[i] if isinstance(g, np.ndarray) else g[0][g[1][i] : g[1][i + 1]]
-                    for g in getters
-                ],
-            )
+                shapes = np.empty((n, col.ndim), np.int64)
+                shapes[:, 0] = np.diff(splits)
+                shapes[:, 1:] = flat.shape[1:]
+                data.append((shapes, flat))
+        yield "slab", [Slab(n, tuple(data))]
 
 
 def _plain(element: Any) -> Any:

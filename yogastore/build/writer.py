@@ -42,7 +42,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: An item of a source: ("batch", one array per column) or ("record", one value per column).
+#: An item of a source: ("batch", one array per column), ("slab", (Slab,)) (records of any
+#: layout, column by column) or ("record", one value per column).
 SourceItem = tuple[str, Sequence[Any]]
 
 
@@ -185,6 +186,21 @@ def write_chunks(
                     room = max(1, (chunk_bytes - builder.nbytes) // row_bytes)
                     stop = min(n, start + room)
                     builder.add_batch([v[start:stop] for v in values])
+                    report(stop - start)
+                    start = stop
+                    if builder.nbytes >= chunk_bytes:
+                        flush()
+            elif kind == "slab":
+                (slab,) = values
+                ends = np.cumsum(slab.record_bytes(columns))
+                start = 0
+                while start < slab.n:
+                    # As many records as fit the chunk being filled (at least one).
+                    base = int(ends[start - 1]) if start else 0
+                    room = chunk_bytes - builder.nbytes
+                    stop = int(np.searchsorted(ends, base + room, side="right"))
+                    stop = min(slab.n, max(start + 1, stop))
+                    builder.add_slab(slab.take(columns, start, stop))
                     report(stop - start)
                     start = stop
                     if builder.nbytes >= chunk_bytes:

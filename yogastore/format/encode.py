@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +13,72 @@ from storage_backends.errors import UnsupportedElementError
 from yogastore.format.blocks import block_size, digest_blocks
 from yogastore.format.layout import I64, MAGIC, PREFIX, ColumnSpec, align
 
-__all__ = ["ChunkBuilder", "Region", "encode_chunk"]
+__all__ = ["ChunkBuilder", "Region", "Slab", "encode_chunk"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slab:
+    """``n`` records given column by column, without a Python object per record.
+
+    ``columns[i]`` is, by the layout of column ``i``: ``fixed``, an array
+    ``[n, *shape]``; ``var``, ``(shapes, values)`` with ``shapes`` ``[n, ndim]``
+    (int64) and ``values`` the records' elements one after another (any
+    shape whose size is the sum of the records' sizes); ``bytes``, the same
+    with ``values`` a sequence of ``bytes``, one per element.
+    """
+
+    n: int
+    columns: tuple[Any, ...]
+
+    def record_bytes(self, columns: Sequence[ColumnSpec]) -> np.ndarray:
+        """Bytes each record adds to a chunk builder's ``nbytes``."""
+        sizes = np.zeros(self.n, dtype=I64)
+        for col, data in zip(columns, self.columns, strict=True):
+            if col.layout == "fixed":
+                sizes += data[0].nbytes if self.n else 0
+                continue
+            shapes, values = data
+            counts = _counts(shapes)
+            if col.layout == "var":
+                sizes += counts * col.np_dtype.itemsize + 8 * (col.ndim + 1)
+            else:
+                total = np.concatenate([[0], np.cumsum(_lengths(values))])
+                ends = np.cumsum(counts)
+                sizes += total[ends] - total[ends - counts] + 8 * (counts + 1)
+        return sizes
+
+    def take(self, columns: Sequence[ColumnSpec], start: int, stop: int) -> Slab:
+        """Records ``[start, stop)`` of this slab."""
+        out: list[Any] = []
+        for col, data in zip(columns, self.columns, strict=True):
+            if col.layout == "fixed":
+                out.append(data[start:stop])
+                continue
+            shapes, values = data
+            ends = np.cumsum(_counts(shapes))
+            lo = int(ends[start - 1]) if start else 0
+            hi = int(ends[stop - 1]) if stop else 0
+            flat = values.reshape(-1) if isinstance(values, np.ndarray) else values
+            out.append((shapes[start:stop], flat[lo:hi]))
+        return Slab(stop - start, tuple(out))
+
+
+def _counts(shapes: np.ndarray) -> np.ndarray:
+    """Elements of each record, from its shape."""
+    return np.prod(shapes, axis=1, dtype=I64) if shapes.shape[1] else np.ones(len(shapes), I64)
+
+
+def _lengths(values: Any) -> np.ndarray:
+    flat = values.reshape(-1) if isinstance(values, np.ndarray) else values
+    return np.fromiter((len(v) for v in flat), dtype=I64, count=len(flat))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Block:
+    """Records of one variable-length column added together (see ``Slab``)."""
+
+    shapes: np.ndarray
+    values: Any
 
 
 class ChunkBuilder:
@@ -40,6 +106,50 @@ class ChunkBuilder:
                 for record in arr:
                     self._add_one(col, parts, record)
         self.count += n
+
+    def add_slab(self, slab: Slab) -> None:
+        """Add the records of ``slab`` (checked against the columns' shapes and dtypes)."""
+        for col, parts, data in zip(self.columns, self._parts, slab.columns, strict=True):
+            if col.layout == "fixed":
+                a = np.ascontiguousarray(data, dtype=col.np_dtype)
+                if a.shape[1:] != col.shape or len(a) != slab.n:
+                    raise UnsupportedElementError(
+                        f"batch of shape {a.shape} does not match record shape {col.shape}"
+                    )
+                parts.append(a)
+                self.nbytes += a.nbytes
+                continue
+            shapes, values = data
+            shapes = np.asarray(shapes, dtype=I64).reshape(slab.n, col.ndim)
+            for d, size in zip(col.shape, shapes.T, strict=True):
+                if d is not None and len(size) and (size != d).any():
+                    raise UnsupportedElementError(
+                        f"value of shape {tuple(shapes[int(np.argmax(size != d))])} does not "
+                        f"match {col.shape}"
+                    )
+            counts = _counts(shapes)
+            total = int(counts.sum())
+            if col.layout == "var":
+                flat = np.ascontiguousarray(values, dtype=col.np_dtype).reshape(-1)
+                if len(flat) != total:
+                    raise UnsupportedElementError(
+                        f"{len(flat)} values for records of {total} elements"
+                    )
+                parts.append(_Block(shapes, flat))
+                self.nbytes += flat.nbytes + 8 * (col.ndim + 1) * slab.n
+            else:
+                flat = values.reshape(-1) if isinstance(values, np.ndarray) else values
+                strings = [
+                    v if isinstance(v, bytes) else v.encode() if isinstance(v, str) else bytes(v)
+                    for v in flat
+                ]
+                if len(strings) != total:
+                    raise UnsupportedElementError(
+                        f"{len(strings)} strings for records of {total} elements"
+                    )
+                parts.append(_Block(shapes, strings))
+                self.nbytes += sum(map(len, strings)) + 8 * (total + slab.n)
+        self.count += slab.n
 
     def add_record(self, values: Sequence[Any]) -> None:
         """Add one record given as one value per column."""
@@ -81,18 +191,13 @@ class ChunkBuilder:
                 regions.append(("data", i, [np.ascontiguousarray(p, col.np_dtype) for p in parts]))
                 continue
             if col.layout == "var":
-                shapes = np.array([p.shape for p in parts], dtype=I64).reshape(len(parts), col.ndim)
-                counts = np.array([p.size for p in parts], dtype=I64)
-                flat = (
-                    np.concatenate([p.reshape(-1) for p in parts])
-                    if parts
-                    else np.empty(0, col.np_dtype)
-                )
+                shapes, flats = _var_runs(col, parts)
+                counts = _counts(shapes)
+                flat = np.concatenate(flats) if flats else np.empty(0, col.np_dtype)
                 data_part: np.ndarray | bytes = np.ascontiguousarray(flat, col.np_dtype)
             else:
-                shapes = np.array([p[0] for p in parts], dtype=I64).reshape(len(parts), col.ndim)
-                counts = np.array([len(p[1]) for p in parts], dtype=I64)
-                strings = [s for p in parts for s in p[1]]
+                shapes, strings = _bytes_runs(col, parts)
+                counts = _counts(shapes)
                 lens = np.fromiter((len(s) for s in strings), dtype=I64, count=len(strings))
                 regions.append(("boffsets", i, np.concatenate([[0], np.cumsum(lens)]).astype(I64)))
                 data_part = b"".join(strings)
@@ -101,6 +206,52 @@ class ChunkBuilder:
             regions.append(("offsets", i, np.concatenate([[0], np.cumsum(counts)]).astype(I64)))
             regions.append(("data", i, data_part))
         return encode_chunk(self.count, len(self.columns), regions)
+
+
+def _var_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Shapes ``[n, ndim]`` and flat values of a var column's records, in order."""
+    shapes: list[np.ndarray] = []
+    flats: list[np.ndarray] = []
+    run: list[np.ndarray] = []  # records added one by one, since the last block
+
+    def close() -> None:
+        if run:
+            shapes.append(np.array([p.shape for p in run], dtype=I64).reshape(len(run), col.ndim))
+            flats.extend(p.reshape(-1) for p in run)
+            run.clear()
+
+    for p in parts:
+        if isinstance(p, _Block):
+            close()
+            shapes.append(p.shapes)
+            flats.append(p.values)
+        else:
+            run.append(p)
+    close()
+    return (np.concatenate(shapes) if shapes else np.empty((0, col.ndim), I64)), flats
+
+
+def _bytes_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[bytes]]:
+    """Shapes ``[n, ndim]`` and strings of a bytes column's records, in order."""
+    shapes: list[np.ndarray] = []
+    strings: list[bytes] = []
+    run: list[Any] = []
+
+    def close() -> None:
+        if run:
+            shapes.append(np.array([p[0] for p in run], dtype=I64).reshape(len(run), col.ndim))
+            strings.extend(s for p in run for s in p[1])
+            run.clear()
+
+    for p in parts:
+        if isinstance(p, _Block):
+            close()
+            shapes.append(p.shapes)
+            strings.extend(p.values)
+        else:
+            run.append(p)
+    close()
+    return (np.concatenate(shapes) if shapes else np.empty((0, col.ndim), I64)), strings
 
 
 def _check_shape(col: ColumnSpec, shape: tuple[int, ...]) -> None:

@@ -1,0 +1,129 @@
+"""First pass of variable-length tf.data sources batch by batch (slabs): exact records, chunking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import yogastore
+from storage_backends.errors import BuildLimitError, UnsupportedElementError
+from yogastore.format.encode import ChunkBuilder, Slab
+from yogastore.format.layout import ColumnSpec
+
+N = 700
+
+
+def _records() -> list[dict[str, Any]]:
+    rng = np.random.default_rng(5)
+    out = []
+    for i in range(N):
+        n = int(rng.integers(0, 40)) if i % 7 else 0  # zero-length rows too
+        out.append(
+            {
+                "s": b"" if i % 11 == 0 else rng.bytes(int(rng.integers(1, 3000))),
+                "m": np.array([[b"a" * (i % 5), b"b"], [b"", bytes([i % 256]) * 3]], dtype=object),
+                "t": rng.integers(0, 50_000, size=n).astype(np.int32),
+                "f": rng.normal(size=(n % 5, 3)).astype(np.float32),
+                "r": np.array([rng.bytes(int(k)) for k in rng.integers(0, 20, size=n % 4)], object),
+                "y": np.int64(i),
+            }
+        )
+    return out
+
+
+def _ragged(rows: list[np.ndarray], dtype: tf.DType) -> tf.RaggedTensor:
+    flat = np.concatenate(rows) if dtype != tf.string else [v for r in rows for v in r]
+    lengths = [len(r) for r in rows]
+    return tf.RaggedTensor.from_row_lengths(tf.constant(flat, dtype), lengths)
+
+
+def _dataset(records: list[dict[str, Any]]) -> tf.data.Dataset:
+    """In-memory tensors: the ragged columns are rank-0 ragged components (dense rows)."""
+    ds = tf.data.Dataset.from_tensor_slices(
+        {
+            "s": tf.constant([r["s"] for r in records], tf.string),
+            "m": tf.constant(np.stack([r["m"] for r in records]), tf.string),
+            "t": _ragged([r["t"] for r in records], tf.int32),
+            "f": _ragged([r["f"] for r in records], tf.float32),
+            "r": _ragged([r["r"] for r in records], tf.string),
+            "y": tf.constant([r["y"] for r in records], tf.int64),
+        }
+    )
+    spec = ds.element_spec
+    assert isinstance(spec["t"], tf.RaggedTensorSpec) and spec["t"].ragged_rank == 0
+    return ds
+
+
+def _check(ref: yogastore.DatasetRef, records: list[dict[str, Any]]) -> None:
+    seen = 0
+    for element in ref.stream(shuffle=False):
+        want = records[int(element["y"])]
+        assert element["s"] == want["s"]
+        assert np.array_equal(np.asarray(element["m"], object), want["m"])
+        assert np.array_equal(np.asarray(element["t"]), want["t"])
+        assert np.array_equal(np.asarray(element["f"]).reshape(-1, 3), want["f"])
+        assert [bytes(v) for v in np.asarray(element["r"], object).reshape(-1)] == list(want["r"])
+        assert int(element["y"]) == seen
+        seen += 1
+    assert seen == len(records)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 10, 64 << 10, 4 << 20])
+def test_variable_length_tf_source_round_trips_across_chunk_sizes(
+    tmp_path: Path, chunk_bytes: int
+) -> None:
+    """Records larger than a chunk, slabs cut across chunks, one chunk for everything."""
+    records = _records()
+    store = yogastore.Store(tmp_path, chunk_bytes=chunk_bytes)
+    ref = store.cache("v", "1", lambda: _dataset(records), progress=yogastore.NullProgress())
+    assert ref.num_records == N
+    if chunk_bytes == 1 << 10:
+        assert len(ref.manifest.chunks) > N // 4  # many records per slab, split into chunks
+    _check(ref, records)
+
+
+def test_the_byte_guard_counts_slabs(tmp_path: Path) -> None:
+    records = _records()
+    store = yogastore.Store(tmp_path)
+    with pytest.raises(BuildLimitError, match="max_bytes"):
+        store.cache("v", "1", lambda: _dataset(records), max_bytes=100_000)
+    assert store.list() == []
+
+
+def test_slab_sizes_match_what_the_builder_counts() -> None:
+    """Chunks are cut by ``record_bytes``: it must agree with the builder's own count."""
+    columns = [
+        ColumnSpec("bytes", "string", ()),
+        ColumnSpec("var", "int32", (None,)),
+        ColumnSpec("bytes", "string", (None,)),
+        ColumnSpec("fixed", "int64", ()),
+    ]
+    shapes1 = np.array([[0], [3], [1]], np.int64)
+    slab = Slab(
+        3,
+        (
+            (np.zeros((3, 0), np.int64), np.array([b"", b"xy", b"z" * 9], object)),
+            (shapes1, np.arange(4, dtype=np.int32)),
+            (np.array([[2], [0], [1]], np.int64), [b"a", b"bc", b"def"]),
+            np.arange(3, dtype=np.int64),
+        ),
+    )
+    sizes = slab.record_bytes(columns)
+    for start, stop in [(0, 3), (0, 1), (1, 2), (1, 3), (2, 3)]:
+        builder = ChunkBuilder(columns)
+        builder.add_slab(slab.take(columns, start, stop))
+        assert builder.nbytes == int(sizes[start:stop].sum())
+        assert builder.count == stop - start
+
+
+def test_a_slab_that_does_not_fit_its_columns_is_refused() -> None:
+    columns = [ColumnSpec("var", "int32", (None, 3))]
+    builder = ChunkBuilder(columns)
+    with pytest.raises(UnsupportedElementError, match="does not match"):
+        builder.add_slab(Slab(1, ((np.array([[2, 4]], np.int64), np.zeros(8, np.int32)),)))
+    with pytest.raises(UnsupportedElementError, match="values for records"):
+        builder.add_slab(Slab(1, ((np.array([[2, 3]], np.int64), np.zeros(5, np.int32)),)))
