@@ -336,9 +336,9 @@ class _Env:
                 snap = self._current()
                 spots = snap.located(self.fd)
                 if spots is not None:  # in LMDB's order
-                    return [k.decode() for k in sorted(spots)]
+                    return [self._key_text(k) for k in sorted(spots)]
                 cursor = self._trusted(snap).txn.cursor()
-                return [bytes(k).decode() for k in cursor.iternext(values=False)]
+                return [self._key_text(bytes(k)) for k in cursor.iternext(values=False)]
             except _Vanished:
                 return []
             except lmdb.Error as err:
@@ -368,6 +368,13 @@ class _Env:
                 if 0 <= lo < hi <= spot.size:
                     os.posix_fadvise(self.fd, spot.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
         return True
+
+    def _key_text(self, key: bytes) -> str:
+        """A key as text; this library writes UTF-8 keys only, anything else is damage."""
+        try:
+            return key.decode()
+        except UnicodeDecodeError:
+            raise _corrupt(self.path, f"key {key!r} is not UTF-8") from None
 
     def check_mapped(self) -> None:
         """Raise ``CorruptCacheError`` if views of this file could no longer be read."""

@@ -40,3 +40,25 @@ def test_verify_checks_chunks_this_process_already_read(
     assert main(["--store", str(tmp_path), "verify", "d", "1"]) == 1
     err = capsys.readouterr().err
     assert "chunk 1 " in err and "checksum mismatch" in err and "1 of" in err
+
+
+def test_verify_checks_what_reads_check_first_the_index_checksum(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest whose index checksum of a chunk lies fails verify as it fails reads."""
+    import json
+
+    store = yogastore.Store(tmp_path, chunk_bytes=256)
+    ref = store.cache("d", "1", lambda: (np.full(8, i, np.int16) for i in range(100)), spec=SPEC)
+    manifest = json.loads(ref.manifest.to_json())
+    rows = manifest["chunks"]
+    row = rows[3] if isinstance(rows[3], dict) else None
+    assert row is not None and "index_checksum" in row
+    good = row["index_checksum"]
+    row["index_checksum"] = good[:-1] + ("0" if good[-1] != "0" else "1")  # still well formed
+    store.backend.put("d/1/manifest.json", json.dumps(manifest).encode())
+    assert main(["--store", str(tmp_path), "verify", "d", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "chunk 3 " in err and "index checksum" in err
+    with pytest.raises(yogastore.CorruptCacheError, match="index"):
+        list(yogastore.Store(tmp_path).open("d", "1").stream(shuffle=False))

@@ -391,3 +391,33 @@ def test_an_overflow_page_number_out_of_range_is_damage(
     data.write_bytes(bytes(raw).replace(node, key + pgno.to_bytes(8, "little")))
     # CorruptCacheError naming the file (or the chunk's index checksum), no LMDB walk.
     assert _in_child(tmp_path) == expected
+
+
+def _list_in_child(root: str) -> None:
+    try:
+        versions = yogastore.Store(root).list()
+        yogastore.Store(root).delete("d", "1")
+    except BaseException:
+        os._exit(5)
+    os._exit(3 if versions == [] else 4)
+
+
+def test_a_key_that_is_not_utf8_is_damage_listing_skips_and_delete_removes(
+    tmp_path: Path,
+) -> None:
+    child = multiprocessing.get_context("fork").Process(target=_build_small, args=(tmp_path,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    found, _ = _located(tmp_path / "d" / "1")
+    assert found is not None
+    key = sorted(k for k in found if k.startswith(b"c-"))[1]
+    data = tmp_path / "d" / "1" / "data.mdb"
+    data.write_bytes(data.read_bytes().replace(key, key[:-1] + b"\xff"))
+    child = multiprocessing.get_context("fork").Process(
+        target=_list_in_child, args=(str(tmp_path),)
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == 3  # skipped by list (a warning names the file), then deleted
+    assert not (tmp_path / "d" / "1").exists()

@@ -209,3 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (YogaStoreError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

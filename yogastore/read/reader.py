@@ -151,7 +151,7 @@ def check_length(manifest: Manifest, chunk: int, data: bytes | memoryview) -> No
 
 
 def verify_chunk(manifest: Manifest, chunk: int, data: bytes | memoryview) -> None:
-    """Check one whole chunk's bytes against the manifest: their length and checksum.
+    """Check one whole chunk's bytes against the manifest: length, checksum, index checksum.
 
     The one check of whole chunks: ``yogastore verify``, ``Store.copy`` and
     whole fetches of remote reads (local reads check blocks instead).
@@ -165,6 +165,13 @@ def verify_chunk(manifest: Manifest, chunk: int, data: bytes | memoryview) -> No
         raise CorruptCacheError(
             f"{manifest.where} chunk {chunk} ({info.key}): checksum mismatch; the cache is "
             "corrupted, delete and rebuild this version"
+        )
+    # What local reads check first: a chunk that passes here reads without error.
+    if checksum(memoryview(data)[: info.index_bytes]) != info.index_checksum:
+        raise CorruptCacheError(
+            f"{manifest.where} chunk {chunk} ({info.key}): index (bytes [0, {info.index_bytes})) "
+            "does not match the manifest's index checksum; the cache is corrupted, delete and "
+            "rebuild this version"
         )
 
 
