@@ -127,3 +127,22 @@ def test_a_slab_that_does_not_fit_its_columns_is_refused() -> None:
         builder.add_slab(Slab(1, ((np.array([[2, 4]], np.int64), np.zeros(8, np.int32)),)))
     with pytest.raises(UnsupportedElementError, match="values for records"):
         builder.add_slab(Slab(1, ((np.array([[2, 3]], np.int64), np.zeros(5, np.int32)),)))
+
+
+def test_large_data_areas_are_laid_out_on_pages_of_the_stored_value() -> None:
+    """A value stored PAGE_PHASE bytes into a page: its data regions start on pages."""
+    from yogastore.format.decode import parse_header
+    from yogastore.format.encode import PAGE_PHASE
+
+    columns = [ColumnSpec("fixed", "uint8", (16384,)), ColumnSpec("fixed", "int64", ())]
+    for n, paged in [(64, True), (2, False)]:
+        builder = ChunkBuilder(columns)
+        builder.add_slab(Slab(n, (np.full((n, 16384), 7, np.uint8), np.arange(n, dtype=np.int64))))
+        data = builder.encode()
+        header = parse_header(data, len(data), "test")
+        starts = [col["data"][0] for col in header["cols"]]
+        base = header["blocks"][2]
+        on_pages = [(s + PAGE_PHASE) % 4096 == 0 for s in [*starts, base]]
+        assert all(on_pages) if paged else not all(on_pages)
+        first = starts[0]
+        assert data[first : first + 16384 * n] == bytes([7]) * (16384 * n)

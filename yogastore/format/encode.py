@@ -278,6 +278,24 @@ def _pieces(buf: Region) -> list[memoryview]:
     return out
 
 
+#: Where a stored value's first byte sits relative to a page of its file: LMDB keeps a large
+#: value on overflow pages after a 16-byte page header. Elsewhere (object stores) it only
+#: moves the padding.
+PAGE_PHASE = 16
+_PAGE = 4096
+_PAGED_FROM = 64 << 10  # data areas at least this large are laid out on pages
+
+
+def _page_align(n: int) -> int:
+    """Round ``n`` up so that ``n + PAGE_PHASE`` is a multiple of a page."""
+    return -(-(n + PAGE_PHASE) // _PAGE) * _PAGE - PAGE_PHASE
+
+
+def _round_page(n: int) -> int:
+    """Round a length up to whole pages."""
+    return -(-n // _PAGE) * _PAGE
+
+
 def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int, Region]]) -> bytes:
     """Lay out regions (index regions first) behind a JSON header.
 
@@ -287,12 +305,16 @@ def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int,
     ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
     contents = [_pieces(buf) for _k, _c, buf in ordered]
     sizes = [sum(v.nbytes for v in views) for views in contents]
+    # Large data areas start each region on a page of the file the chunk is
+    # stored in (see PAGE_PHASE), so a record of whole pages is read as whole pages.
+    paged = sum(size for (kind, _c, _b), size in zip(ordered, sizes, strict=True) if kind == "data")
+    step = align if paged < _PAGED_FROM else _page_align
     # The data area's length does not depend on where it starts (each region
-    # is aligned), so the size of its checksum table is known before layout.
+    # is aligned relative to it), so its checksum table's size is known before layout.
     span = 0
     for (kind, _c, _b), size in zip(ordered, sizes, strict=True):
         if kind == "data":
-            span = align(span + size)
+            span = step(span + size) if step is align else _round_page(span + size)
     block = block_size(span)
     table_bytes = 8 * -(-span // block)
     # The header lists region offsets, which depend on the header's own size:
@@ -307,16 +329,16 @@ def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int,
         for (kind, col, _buf), size in zip(ordered, sizes, strict=True):
             if kind == "data" and table_at < 0:
                 table_at, index_end = pos, pos + table_bytes
-                pos = align(index_end)
+                pos = step(index_end)
             starts.append(pos)
             cols[col][kind] = [pos, size]
             if kind != "data":
                 index_end = pos + size
-            pos = align(pos + size)
+            pos = (step if kind == "data" else align)(pos + size)
         if table_at < 0:
             table_at, index_end = pos, pos + table_bytes
-            pos = align(index_end)
-        base = align(index_end)
+            pos = step(index_end)
+        base = step(index_end)
         blocks = [table_at, table_bytes, base, block]
         header = json.dumps(
             {"k": count, "cols": cols, "index_end": index_end, "blocks": blocks},
