@@ -146,3 +146,55 @@ def test_large_data_areas_are_laid_out_on_pages_of_the_stored_value() -> None:
         assert all(on_pages) if paged else not all(on_pages)
         first = starts[0]
         assert data[first : first + 16384 * n] == bytes([7]) * (16384 * n)
+
+
+def test_an_empty_source_of_strings_and_ragged_rows_reads_as_no_batches(tmp_path: Path) -> None:
+    ds = _dataset(_records()).take(0)
+    ref = yogastore.Store(tmp_path).cache("e", "1", lambda: ds, progress=yogastore.NullProgress())
+    assert ref.num_records == 0
+    assert list(ref.stream(shuffle=False).batches(4)) == []
+
+
+def test_ragged_rows_with_a_zero_inner_dimension_batch(tmp_path: Path) -> None:
+    rows = [np.zeros((n, 0), np.float32) for n in (2, 0, 3)]
+    ds = tf.data.Dataset.from_tensor_slices(
+        tf.RaggedTensor.from_row_lengths(tf.zeros((5, 0), tf.float32), [2, 0, 3])
+    )
+    ref = yogastore.Store(tmp_path).cache("z", "1", lambda: ds, progress=yogastore.NullProgress())
+    (batch,) = list(ref.stream(shuffle=False).batches(3))
+    assert batch.flat_values.shape == (5, 0)
+    assert batch.nested_row_splits[0].tolist() == [0, 2, 2, 5]
+    shapes = [tuple(b.shape) for b in ref.stream(shuffle=False).to_tf_dataset(2)]
+    assert shapes == [(2, None, 0), (1, None, 0)]
+    assert [np.asarray(r).shape for r in ref.stream(shuffle=False)] == [r.shape for r in rows]
+
+
+def test_ragged_rows_of_different_inner_widths_are_cached_record_by_record(
+    tmp_path: Path,
+) -> None:
+    """tf.data cannot batch them; the first pass reads them one by one instead."""
+    rows = [np.arange(2, dtype=np.float32).reshape(1, 2), np.arange(9, dtype=np.float32)]
+    rows[1] = rows[1].reshape(3, 3)
+    parts = [(r, np.array([len(r)], np.int64)) for r in rows]  # one row per part
+    source = tf.data.Dataset.from_generator(
+        lambda: iter(parts),
+        output_signature=(
+            tf.TensorSpec([None, None], tf.float32),
+            tf.TensorSpec([None], tf.int64),
+        ),
+    )
+    ds = source.map(tf.RaggedTensor.from_row_lengths).unbatch()
+    assert ds.element_spec.shape.as_list() == [None, None]
+    ref = yogastore.Store(tmp_path).cache("w", "1", lambda: ds, progress=yogastore.NullProgress())
+    got = [np.asarray(r).reshape(-1, len(r[0]) if len(r) else 0) for r in ref.stream(shuffle=False)]
+    assert [g.tolist() for g in got] == [r.tolist() for r in rows]
+
+
+def test_string_chunks_are_cut_by_their_bytes(tmp_path: Path) -> None:
+    """Fixed-shape strings only: chunks near chunk_bytes, not 8 bytes per string."""
+    ds = tf.data.Dataset.from_tensor_slices(tf.constant([b"x" * 10_000] * 60))
+    ref = yogastore.Store(tmp_path, chunk_bytes=65536).cache(
+        "s", "1", lambda: ds, progress=yogastore.NullProgress()
+    )
+    assert max(c.nbytes for c in ref.manifest.chunks) < 65536 + 12_000
+    assert [bytes(r) for r in ref.stream(shuffle=False)] == [b"x" * 10_000] * 60

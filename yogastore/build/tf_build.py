@@ -15,7 +15,7 @@ import tensorflow as tf
 from yogastore.format.encode import Slab
 from yogastore.format.layout import columns_for
 from yogastore.read.stream import splittable
-from yogastore.spec import Kind, RaggedValue, Schema, SparseValue, row_bytes
+from yogastore.spec import STRING, Kind, RaggedValue, Schema, SparseValue, row_bytes
 
 __all__ = ["dataset_items", "numpy_records"]
 
@@ -54,7 +54,7 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
     """Iterate a dataset for caching: whole batches when every component is fixed."""
     from yogastore.build.writer import component_columns
 
-    if all(c.fixed for c in schema.components):
+    if all(c.fixed and c.dtype != STRING for c in schema.components):
         # About _FIRST_PASS_BYTES per batch: large records in small batches keep
         # every buffer below the size at which malloc maps fresh memory each time.
         size = max(1, min(_FIRST_PASS_BATCH, _FIRST_PASS_BYTES // max(1, row_bytes(schema))))
@@ -62,7 +62,12 @@ def dataset_items(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[str, li
         for batch in batched.as_numpy_iterator():
             yield "batch", [np.asarray(v) for v in schema.flatten(_plain(batch))]
         return
-    if splittable(schema):
+    # Slabs need tf.data to batch the records: ragged rows must agree on their inner
+    # dimensions (strings are cut into chunks by their bytes, which the "batch" path
+    # above does not know).
+    if splittable(schema) and all(
+        c.fixed or all(d is not None for d in c.shape[1:]) for c in schema.components
+    ):
         yield from _records_of_batches(ds, schema)
         return
     for element in numpy_records(ds.prefetch(64)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -205,7 +206,16 @@ class ChunkBuilder:
                 regions.append(("shapes", i, shapes))
             regions.append(("offsets", i, np.concatenate([[0], np.cumsum(counts)]).astype(I64)))
             regions.append(("data", i, data_part))
-        return encode_chunk(self.count, len(self.columns), regions)
+        paged = frozenset(
+            i for i, col in enumerate(self.columns) if col.layout == "fixed" and _whole_pages(col)
+        )
+        return encode_chunk(self.count, len(self.columns), regions, paged)
+
+
+def _whole_pages(col: ColumnSpec) -> bool:
+    """Whether a fixed column's records are whole pages (one page or more)."""
+    n = col.np_dtype.itemsize * math.prod(d or 0 for d in col.shape)
+    return n > 0 and n % _PAGE == 0
 
 
 def _var_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -280,7 +290,7 @@ def _pieces(buf: Region) -> list[memoryview]:
 
 #: Where a stored value's first byte sits relative to a page of its file: LMDB keeps a large
 #: value on overflow pages after a 16-byte page header. Elsewhere (object stores) it only
-#: moves the padding.
+#: moves the padding. Only columns of whole-page records are laid out on pages.
 PAGE_PHASE = 16
 _PAGE = 4096
 _PAGED_FROM = 64 << 10  # data areas at least this large are laid out on pages
@@ -296,25 +306,38 @@ def _round_page(n: int) -> int:
     return -(-n // _PAGE) * _PAGE
 
 
-def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int, Region]]) -> bytes:
+def encode_chunk(
+    count: int,
+    num_columns: int,
+    regions: Sequence[tuple[str, int, Region]],
+    paged: frozenset[int] = frozenset(),
+) -> bytes:
     """Lay out regions (index regions first) behind a JSON header.
 
     The index ends with the data area's block checksum table
     (``yogastore.format.blocks``), so verifying the index verifies the table.
+    In a data area of ``_PAGED_FROM`` bytes or more, the data of the columns in
+    ``paged`` (records of whole pages) starts on a page of the stored value
+    (see ``PAGE_PHASE``), so reading a record reads its own pages only.
     """
     ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
     contents = [_pieces(buf) for _k, _c, buf in ordered]
     sizes = [sum(v.nbytes for v in views) for views in contents]
-    # Large data areas start each region on a page of the file the chunk is
-    # stored in (see PAGE_PHASE), so a record of whole pages is read as whole pages.
-    paged = sum(size for (kind, _c, _b), size in zip(ordered, sizes, strict=True) if kind == "data")
-    step = align if paged < _PAGED_FROM else _page_align
-    # The data area's length does not depend on where it starts (each region
-    # is aligned relative to it), so its checksum table's size is known before layout.
+    data = [
+        (i, col, size)
+        for i, ((kind, col, _b), size) in enumerate(zip(ordered, sizes, strict=True))
+        if kind == "data"
+    ]
+    use_pages = sum(size for _i, _c, size in data) >= _PAGED_FROM and any(
+        col in paged for _i, col, _s in data
+    )
+    # Data regions are placed relative to the data area's start, so its length
+    # (and its checksum table's size) is known before the layout.
+    rel: dict[int, int] = {}
     span = 0
-    for (kind, _c, _b), size in zip(ordered, sizes, strict=True):
-        if kind == "data":
-            span = step(span + size) if step is align else _round_page(span + size)
+    for i, col, size in data:
+        rel[i] = _round_page(span) if use_pages and col in paged else align(span)
+        span = align(rel[i] + size)
     block = block_size(span)
     table_bytes = 8 * -(-span // block)
     # The header lists region offsets, which depend on the header's own size:
@@ -323,22 +346,20 @@ def encode_chunk(count: int, num_columns: int, regions: Sequence[tuple[str, int,
     while True:
         cols: list[dict[str, list[int]]] = [{} for _ in range(num_columns)]
         pos = align(PREFIX.size + room)
-        starts = []
-        index_end = pos
-        table_at = -1
-        for (kind, col, _buf), size in zip(ordered, sizes, strict=True):
-            if kind == "data" and table_at < 0:
-                table_at, index_end = pos, pos + table_bytes
-                pos = step(index_end)
-            starts.append(pos)
+        starts = [0] * len(ordered)
+        for i, ((kind, col, _buf), size) in enumerate(zip(ordered, sizes, strict=True)):
+            if kind == "data":
+                continue
+            starts[i] = pos
             cols[col][kind] = [pos, size]
-            if kind != "data":
-                index_end = pos + size
-            pos = (step if kind == "data" else align)(pos + size)
-        if table_at < 0:
-            table_at, index_end = pos, pos + table_bytes
-            pos = step(index_end)
-        base = step(index_end)
+            pos = align(pos + size)
+        table_at = pos
+        index_end = table_at + table_bytes
+        base = _page_align(index_end) if use_pages else align(index_end)
+        for i, col, size in data:
+            starts[i] = base + rel[i]
+            cols[col]["data"] = [starts[i], size]
+        pos = base + span
         blocks = [table_at, table_bytes, base, block]
         header = json.dumps(
             {"k": count, "cols": cols, "index_end": index_end, "blocks": blocks},

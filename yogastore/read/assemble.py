@@ -71,7 +71,8 @@ def _batched_ragged(
     inner_shape = (
         tuple(int(d) for d in inner[0]) if b else tuple(d or 0 for d in flat.spec.shape[1:])
     )
-    values = reshape_values(flat.values(strings), (-1, *inner_shape))
+    # The row count is given, not inferred: numpy cannot infer it when a dimension is 0.
+    values = reshape_values(flat.values(strings), (int(lead.sum()), *inner_shape))
     splits: list[np.ndarray] = []
     dtype = np.dtype(comp.row_splits_dtype)
     if comp.ragged_rank == 0:

@@ -384,7 +384,8 @@ class Stream:
         if k == 1 and splittable(schema) and type(self).column_batches is Stream.column_batches:
             # Strings and ragged rows: gather about _GATHER_BYTES at once and slice.
             per_record = self.ref.manifest.nbytes / max(1, self.num_records)
-            k = max(1, min(_MAX_GATHER_GROUP, round(_GATHER_BYTES / (per_record * batch_size))))
+            if per_record > 0:  # an empty dataset has no chunks
+                k = max(1, min(_MAX_GATHER_GROUP, round(_GATHER_BYTES / (per_record * batch_size))))
         if getattr(self.source, "plan", None) is not None:
             k = 1  # remote reads plan and cache per batch; they read ahead already
         # References to a batch are dropped before the next gather, so a
