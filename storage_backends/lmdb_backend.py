@@ -194,6 +194,7 @@ class _Env:
         # values, which LMDB would page in whole when it hands them out.
         self.mapped: lmdb_pages.Mapping | None = None
         self.cached: dict[bytes, bool] = {}  # values found in the page cache when first announced
+        self.write_checked = False  # structure checked before this process's first write
         self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
 
     # Reading ------------------------------------------------------------------
@@ -387,10 +388,19 @@ class _Env:
     # Writing ------------------------------------------------------------------
 
     def _writable(self) -> None:
-        """Refuse to write into a file that shrank or vanished (LMDB would read its map)."""
+        """Refuse to write into a file that shrank, vanished or is damaged.
+
+        A write lets LMDB walk the tree, which reads never do: the first write of
+        this process into a file it did not create checks the file's structure
+        (once; later commits come from this library).
+        """
         with self.mutex:
             try:
                 self.check_size()
+                if not self.write_checked:
+                    if int(self.env.info()["last_txnid"]) > 0:
+                        self._trusted(self._current())
+                    self.write_checked = True
             except _Vanished:
                 raise StorageError(
                     errno.ENOENT,

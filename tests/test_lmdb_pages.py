@@ -421,3 +421,31 @@ def test_a_key_that_is_not_utf8_is_damage_listing_skips_and_delete_removes(
     child.join(120)
     assert child.exitcode == 3  # skipped by list (a warning names the file), then deleted
     assert not (tmp_path / "d" / "1").exists()
+
+
+def _write_in_child(root: str) -> None:
+    try:
+        LmdbBackend(root).put("d/1/extra", b"x" * 100)
+    except CorruptCacheError as err:
+        os._exit(3 if "damaged" in str(err) else 4)
+    except BaseException:
+        os._exit(5)
+    os._exit(0)
+
+
+def test_the_first_write_into_a_damaged_file_checks_it_first(tmp_path: Path) -> None:
+    """Writes let LMDB walk the tree (reads do not): a damaged tree is refused, not walked."""
+    _build_small(tmp_path)
+    data = tmp_path / "d" / "1" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    for page in range(2, len(raw) // PAGE):
+        header = int.from_bytes(raw[page * PAGE : page * PAGE + 8], "little") == page
+        if header and int.from_bytes(raw[page * PAGE + 10 : page * PAGE + 12], "little") & 0x02:
+            raw[page * PAGE] ^= 0x01
+    data.write_bytes(bytes(raw))
+    child = multiprocessing.get_context("fork").Process(
+        target=_write_in_child, args=(str(tmp_path),)
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == 3
