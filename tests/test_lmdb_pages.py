@@ -9,6 +9,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import lmdb.verify
@@ -21,6 +22,14 @@ from storage_backends.errors import CorruptCacheError
 from storage_backends.lmdb_backend import LmdbBackend
 
 PAGE = 4096
+
+
+def _exit_code(target: Any, *args: Any) -> int | None:
+    """Run ``target(*args)`` in a fork child (a fresh set of LMDB environments); its exit code."""
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
+    child.start()
+    child.join(120)
+    return child.exitcode
 
 
 def _values(seed: int, n: int) -> dict[bytes, bytes]:
@@ -178,17 +187,22 @@ def _build_16k(root: str) -> None:
     )
 
 
-def test_reading_one_record_pages_in_that_record_not_its_chunk(tmp_path: Path) -> None:
-    """A 4 MiB chunk of 16 KiB records: one record read pages in a few pages, not 1,024."""
-    # Built in a child process: pages mapped by a live process stay cached.
-    child = multiprocessing.get_context("fork").Process(target=_build_16k, args=(str(tmp_path),))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 0
-    data = tmp_path / "d" / "1" / "data.mdb"
+def _cold_16k_store(root: Path) -> Path:
+    """Build the 16 KiB store, drop its data file from the page cache; the file's path.
+
+    Built in a child process: pages mapped by a live process stay cached.
+    """
+    assert _exit_code(_build_16k, str(root)) == 0
+    data = root / "d" / "1" / "data.mdb"
     _drop_cached(data)
     if _resident_pages(data) > 64:
         pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED")
+    return data
+
+
+def test_reading_one_record_pages_in_that_record_not_its_chunk(tmp_path: Path) -> None:
+    """A 4 MiB chunk of 16 KiB records: one record read pages in a few pages, not 1,024."""
+    data = _cold_16k_store(tmp_path)
     # Record 300 alone, through a fresh store (no views of the build left).
     source = yogastore.Store(tmp_path).open("d", "1").make_source()
     try:
@@ -230,14 +244,7 @@ def test_the_read_path_serves_located_bytes_and_survives_a_damaged_tree(tmp_path
 
 
 def test_announced_ranges_are_read_ahead_and_nothing_else(tmp_path: Path) -> None:
-    child = multiprocessing.get_context("fork").Process(target=_build_16k, args=(str(tmp_path),))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 0
-    data = tmp_path / "d" / "1" / "data.mdb"
-    _drop_cached(data)
-    if _resident_pages(data) > 64:
-        pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED")
+    data = _cold_16k_store(tmp_path)
     backend = LmdbBackend(str(tmp_path))
     try:
         key = next(k for k in backend.list("d/1/") if "/c-" in k)
@@ -297,13 +304,9 @@ def test_a_file_missing_its_last_pages_is_damage_not_a_crash(tmp_path: Path, wha
     assert ref.num_records == 1200
     data = tmp_path / "d" / "1" / "data.mdb"
     os.truncate(data, data.stat().st_size - PAGE)
-    child = multiprocessing.get_context("fork").Process(
-        target=_open_cut_store, args=(str(tmp_path), what)
-    )
-    child.start()
-    child.join(120)
+    exitcode = _exit_code(_open_cut_store, str(tmp_path), what)
     # 3: CorruptCacheError naming the file; -7 would be SIGBUS.
-    assert child.exitcode == (0 if what == "list" else 3)
+    assert exitcode == (0 if what == "list" else 3)
 
 
 def _read_counting_checks(root: str) -> None:
@@ -328,12 +331,22 @@ def _read_counting_checks(root: str) -> None:
 
 
 def _in_child(root: Path) -> int | None:
-    child = multiprocessing.get_context("fork").Process(
-        target=_read_counting_checks, args=(str(root),)
-    )
-    child.start()
-    child.join(120)
-    return child.exitcode
+    return _exit_code(_read_counting_checks, str(root))
+
+
+def _damage_leaf_pages(data: Path) -> None:
+    """Change the page number every leaf page holds (in its header) in a file."""
+    raw = bytearray(data.read_bytes())
+    leaves = [
+        page
+        for page in range(2, len(raw) // PAGE)
+        if int.from_bytes(raw[page * PAGE : page * PAGE + 8], "little") == page  # a header
+        and int.from_bytes(raw[page * PAGE + 10 : page * PAGE + 12], "little") & 0x02
+    ]
+    assert leaves
+    for page in leaves:
+        raw[page * PAGE] ^= 0x01
+    data.write_bytes(bytes(raw))
 
 
 def _build_small(root: Path) -> None:
@@ -348,18 +361,7 @@ def test_reading_a_sound_file_never_walks_it_whole(tmp_path: Path) -> None:
     assert _in_child(tmp_path) == 10  # every record exact, no whole-file check
     # A file whose tree the reader declines (the leaf pages' page numbers changed)
     # is checked whole before LMDB may walk it, and the damage is reported.
-    data = tmp_path / "d" / "1" / "data.mdb"
-    raw = bytearray(data.read_bytes())
-    leaves = [
-        page
-        for page in range(2, len(raw) // PAGE)
-        if int.from_bytes(raw[page * PAGE : page * PAGE + 8], "little") == page  # a header
-        and int.from_bytes(raw[page * PAGE + 10 : page * PAGE + 12], "little") & 0x02
-    ]
-    assert leaves
-    for page in leaves:
-        raw[page * PAGE] ^= 0x01
-    data.write_bytes(bytes(raw))
+    _damage_leaf_pages(tmp_path / "d" / "1" / "data.mdb")
     assert _in_child(tmp_path) == 21  # one whole-file check, then CorruptCacheError
 
 
@@ -370,10 +372,7 @@ def test_an_overflow_page_number_out_of_range_is_damage(
     tmp_path: Path, where: str, expected: int
 ) -> None:
     """A leaf pointing a chunk past the end, inside its own pages, or at another chunk."""
-    child = multiprocessing.get_context("fork").Process(target=_build_small, args=(tmp_path,))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 0
+    assert _exit_code(_build_small, tmp_path) == 0
     found, _ = _located(tmp_path / "d" / "1")
     assert found is not None
     chunks = [(k, s) for k, s in sorted(found.items()) if k.startswith(b"c-")]
@@ -405,21 +404,14 @@ def _list_in_child(root: str) -> None:
 def test_a_key_that_is_not_utf8_is_damage_listing_skips_and_delete_removes(
     tmp_path: Path,
 ) -> None:
-    child = multiprocessing.get_context("fork").Process(target=_build_small, args=(tmp_path,))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 0
+    assert _exit_code(_build_small, tmp_path) == 0
     found, _ = _located(tmp_path / "d" / "1")
     assert found is not None
     key = sorted(k for k in found if k.startswith(b"c-"))[1]
     data = tmp_path / "d" / "1" / "data.mdb"
     data.write_bytes(data.read_bytes().replace(key, key[:-1] + b"\xff"))
-    child = multiprocessing.get_context("fork").Process(
-        target=_list_in_child, args=(str(tmp_path),)
-    )
-    child.start()
-    child.join(120)
-    assert child.exitcode == 3  # skipped by list (a warning names the file), then deleted
+    exitcode = _exit_code(_list_in_child, str(tmp_path))
+    assert exitcode == 3  # skipped by list (a warning names the file), then deleted
     assert not (tmp_path / "d" / "1").exists()
 
 
@@ -436,16 +428,6 @@ def _write_in_child(root: str) -> None:
 def test_the_first_write_into_a_damaged_file_checks_it_first(tmp_path: Path) -> None:
     """Writes let LMDB walk the tree (reads do not): a damaged tree is refused, not walked."""
     _build_small(tmp_path)
-    data = tmp_path / "d" / "1" / "data.mdb"
-    raw = bytearray(data.read_bytes())
-    for page in range(2, len(raw) // PAGE):
-        header = int.from_bytes(raw[page * PAGE : page * PAGE + 8], "little") == page
-        if header and int.from_bytes(raw[page * PAGE + 10 : page * PAGE + 12], "little") & 0x02:
-            raw[page * PAGE] ^= 0x01
-    data.write_bytes(bytes(raw))
-    child = multiprocessing.get_context("fork").Process(
-        target=_write_in_child, args=(str(tmp_path),)
-    )
-    child.start()
-    child.join(120)
-    assert child.exitcode == 3
+    _damage_leaf_pages(tmp_path / "d" / "1" / "data.mdb")
+    exitcode = _exit_code(_write_in_child, str(tmp_path))
+    assert exitcode == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -218,50 +218,47 @@ def _whole_pages(col: ColumnSpec) -> bool:
     return n > 0 and n % _PAGE == 0
 
 
-def _var_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Shapes ``[n, ndim]`` and flat values of a var column's records, in order."""
+def _column_runs(
+    col: ColumnSpec,
+    parts: list[Any],
+    record: Callable[[Any], tuple[tuple[int, ...], Sequence[Any]]],
+    block_items: Callable[[Any], Sequence[Any]],
+) -> tuple[np.ndarray, list[Any]]:
+    """Shapes ``[n, ndim]`` and the items (arrays or strings) of a column's records, in order.
+
+    ``parts`` mixes records added one by one (``record`` gives a shape and its
+    items) and ``_Block`` s of many (``block_items`` gives the items of its values).
+    """
     shapes: list[np.ndarray] = []
-    flats: list[np.ndarray] = []
-    run: list[np.ndarray] = []  # records added one by one, since the last block
+    items: list[Any] = []
+    run: list[tuple[int, ...]] = []  # shapes of records added one by one, since the last block
 
     def close() -> None:
         if run:
-            shapes.append(np.array([p.shape for p in run], dtype=I64).reshape(len(run), col.ndim))
-            flats.extend(p.reshape(-1) for p in run)
+            shapes.append(np.array(run, dtype=I64).reshape(len(run), col.ndim))
             run.clear()
 
     for p in parts:
         if isinstance(p, _Block):
             close()
             shapes.append(p.shapes)
-            flats.append(p.values)
+            items.extend(block_items(p.values))
         else:
-            run.append(p)
+            shape, its = record(p)
+            run.append(shape)
+            items.extend(its)
     close()
-    return (np.concatenate(shapes) if shapes else np.empty((0, col.ndim), I64)), flats
+    return (np.concatenate(shapes) if shapes else np.empty((0, col.ndim), I64)), items
+
+
+def _var_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Shapes ``[n, ndim]`` and flat values of a var column's records, in order."""
+    return _column_runs(col, parts, lambda p: (p.shape, [p.reshape(-1)]), lambda v: [v])
 
 
 def _bytes_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[bytes]]:
     """Shapes ``[n, ndim]`` and strings of a bytes column's records, in order."""
-    shapes: list[np.ndarray] = []
-    strings: list[bytes] = []
-    run: list[Any] = []
-
-    def close() -> None:
-        if run:
-            shapes.append(np.array([p[0] for p in run], dtype=I64).reshape(len(run), col.ndim))
-            strings.extend(s for p in run for s in p[1])
-            run.clear()
-
-    for p in parts:
-        if isinstance(p, _Block):
-            close()
-            shapes.append(p.shapes)
-            strings.extend(p.values)
-        else:
-            run.append(p)
-    close()
-    return (np.concatenate(shapes) if shapes else np.empty((0, col.ndim), I64)), strings
+    return _column_runs(col, parts, lambda p: (p[0], p[1]), lambda v: v)
 
 
 def _check_shape(col: ColumnSpec, shape: tuple[int, ...]) -> None:
