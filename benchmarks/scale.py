@@ -7,7 +7,8 @@ Run from the repository root::
     python -m benchmarks.scale --record-bytes 16384 --records 65536   # 1 GiB of 16 KiB records
 
 Builds a local store (in a temporary directory, or ``--store`` kept for the
-next run) from a numpy iterable with ``spec=`` (no TensorFlow), then, in a
+next run) from numpy batches (``yogastore.Batches`` with ``spec=``, no
+TensorFlow), then, in a
 fresh process, opens it and reads rank
 ``--rank`` of ``--num-shards`` with a global shuffle through ``Stream.batches``.
 It reports the build time; the open time; the first batch's latency; the
@@ -63,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="bytes per record {'x': uint8[B]}; 0: records {'id': int64}",
     )
+    p.add_argument(
+        "--chunk-bytes", type=int, default=None, help="chunk size of the build (default: 4 MiB)"
+    )
     p.add_argument("--num-shards", type=int, default=64)
     p.add_argument("--rank", type=int, default=17)
     p.add_argument("--batch-size", type=int, default=256)
@@ -92,19 +96,23 @@ def _spec(record_bytes: int) -> dict[str, Any]:
     return {"id": yogastore.ComponentSpec(shape=(), dtype="int64")}
 
 
-def _records(n: int, record_bytes: int) -> Iterator[dict[str, Any]]:
+def _batches(n: int, record_bytes: int) -> Iterator[dict[str, Any]]:
+    """The records in batches of about 8 MiB (``yogastore.Batches``)."""
+    per = max(1, min(1 << 20, (8 << 20) // max(8, record_bytes)))
     if not record_bytes:
-        for i in range(n):
-            yield {"id": np.int64(i)}
+        for start in range(0, n, per):
+            yield {"id": np.arange(start, min(n, start + per), dtype=np.int64)}
         return
     # Distinct bytes per record without generating a GiB of randomness: windows
     # of a random pool, each record's first 8 bytes its index.
     pool = np.random.default_rng(0).integers(0, 256, size=(64 << 20) + record_bytes, dtype=np.uint8)
-    for i in range(n):
-        at = (i * 4099) % (len(pool) - record_bytes)
-        rec = pool[at : at + record_bytes].copy()
-        rec[:8] = np.frombuffer(np.int64(i).tobytes(), np.uint8)[: min(8, record_bytes)]
-        yield {"x": rec}
+    windows = np.lib.stride_tricks.sliding_window_view(pool, record_bytes)
+    head = min(8, record_bytes)
+    for start in range(0, n, per):
+        ids = np.arange(start, min(n, start + per), dtype=np.int64)
+        recs = windows[(ids * 4099) % (len(pool) - record_bytes)]
+        recs[:, :head] = ids.view(np.uint8).reshape(len(ids), 8)[:, :head]
+        yield {"x": recs}
 
 
 def _mapped_rss(path: Path) -> int:
@@ -258,8 +266,9 @@ def _build(root: str, args: argparse.Namespace) -> tuple[Any, float]:
     started = time.perf_counter()
     ref = store.cache(
         *_DATASET,
-        lambda: _records(args.records, args.record_bytes),
+        lambda: yogastore.Batches(_batches(args.records, args.record_bytes)),
         spec=_spec(args.record_bytes),
+        chunk_bytes=args.chunk_bytes,
         progress=yogastore.NullProgress(),
     )
     if ref.num_records != args.records:

@@ -131,3 +131,99 @@ def test_resume_state_hostile_inputs(tmp_path: Path) -> None:
             StreamState.from_json(text)
     with pytest.raises(InvalidArgumentError, match="StreamState"):
         ref.resume(12)  # type: ignore[arg-type]
+
+
+def _reference_loads(raw: bytes) -> Any:
+    """Every document measured exactly and every integer checked (the bounds' definition)."""
+    if boundedjson.depth(raw) > boundedjson.MAX_DEPTH:
+        return "nested"
+    try:
+        return json.loads(
+            raw,
+            parse_int=boundedjson._int,
+            parse_float=boundedjson._float,
+            parse_constant=boundedjson._constant,
+        )
+    except ValueError:
+        return "invalid"
+
+
+def _random_document(rng: np.random.Generator) -> bytes:
+    """Nesting near the bound, brackets, quotes and long digit runs inside strings and out."""
+    pieces = ["[", "]", "{", "}", '"', "\\", "9" * 21, "1" * 20, "x", ","]
+
+    def text() -> str:
+        return "".join(rng.choice(pieces) for _ in range(int(rng.integers(0, 6))))
+
+    def value(depth: int) -> Any:
+        kind = int(rng.integers(0, 5))
+        if depth <= 0 or kind == 0:
+            return int(rng.choice([0, 10**19, 10**20, -(10**20), 10**21, 2**64]))
+        if kind == 1:
+            return text()
+        if kind == 2:
+            return [value(depth - 1) for _ in range(int(rng.integers(1, 3)))]
+        return {text(): value(depth - 1) for _ in range(int(rng.integers(1, 3)))}
+
+    doc = value(int(rng.integers(1, 8)))
+    for _ in range(int(rng.integers(0, 3))):
+        doc = [doc] * int(rng.integers(1, 4))
+    nest = int(rng.integers(0, 70))
+    return ("[" * nest + json.dumps(doc) + "]" * nest).encode()
+
+
+def test_quick_bounds_agree_with_exact_ones() -> None:
+    """Counting brackets and digit runs first decides every document as the exact check does."""
+    rng = np.random.default_rng(7)
+    seen = set()
+    for _ in range(3000):
+        raw = _random_document(rng)
+        want = _reference_loads(raw)
+        try:
+            got = boundedjson.loads(raw, "doc", CorruptCacheError)
+        except CorruptCacheError as err:
+            got = "nested" if "nested" in str(err) else "invalid"
+        assert got == want, raw[:200]
+        seen.add(want if isinstance(want, str) else "parsed")
+    assert seen == {"nested", "invalid", "parsed"}
+
+
+def _big_manifest(tmp_path: Path) -> dict[str, Any]:
+    store = yogastore.Store(tmp_path, chunk_bytes=256)
+    ref = store.cache(
+        "d", "1", lambda: yogastore.Batches([{"x": np.arange(2000).reshape(1000, 2)}]), spec=SPEC
+    )
+    doc = json.loads(ref.manifest.to_json())
+    assert len(doc["chunks"]) > 40
+    return doc
+
+
+BAD_ROWS = [
+    (lambda r: r.update(first=r["first"] + 1), "starts at record"),
+    (lambda r: r.update(count=0), "'count' must be an integer >= 1"),
+    (lambda r: r.update(count=True), "'count' must be an integer"),
+    (lambda r: r.update(nbytes=float(r["nbytes"])), "'nbytes' must be an integer"),
+    (lambda r: r.update(index_bytes=r["nbytes"] + 1), "exceeds chunk"),
+    (lambda r: r.update(key="e/1/chunk"), "outside"),
+    (lambda r: r.update(key=r["key"] + "/x"), "outside"),
+    (lambda r: r.update(checksum=r["checksum"].upper()), "malformed checksum"),
+    (lambda r: r.update(index_checksum=5), "must be a string"),
+    (lambda r: r.pop("index_bytes"), "'index_bytes' must be an integer"),
+]
+
+
+@pytest.mark.parametrize(("change", "match"), BAD_ROWS)
+def test_a_bad_row_in_a_long_chunk_table_is_named(tmp_path: Path, change: Any, match: str) -> None:
+    doc = _big_manifest(tmp_path)
+    change(doc["chunks"][37])
+    with pytest.raises(CorruptCacheError, match=f"chunk 37: .*{match}"):
+        Manifest.from_json(json.dumps(doc).encode(), "m", "d/1/")
+
+
+def test_a_long_chunk_table_parses_to_its_rows(tmp_path: Path) -> None:
+    doc = _big_manifest(tmp_path)
+    manifest = Manifest.from_json(json.dumps(doc).encode(), "m", "d/1/")
+    assert [c.to_json() for c in manifest.chunks] == doc["chunks"]
+    doc["chunks"][5] = ["not", "a", "row"]
+    with pytest.raises(CorruptCacheError, match="chunk 5: chunk table row is not an object"):
+        Manifest.from_json(json.dumps(doc).encode(), "m", "d/1/")

@@ -1,4 +1,4 @@
-"""First-pass progress off a terminal: bytes so far in every line, small first batches."""
+"""First-pass progress off a terminal: bytes so far in every line, a line per batch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import yogastore
@@ -17,14 +16,19 @@ from yogastore.build.progress import LineProgress
 LINE = re.compile(r": (\d+)/(\d+) records, [\d.]+%, ([\d.]+) (B|KB|MB), ")
 
 
-def _build(tmp_path: Path, make: Any, spec: Any = None) -> list[tuple[int, float]]:
+def _build(
+    tmp_path: Path, make: Any, spec: Any = None, total: int = 100
+) -> list[tuple[int, float]]:
     """Cache ``make()`` with a line per update; return (records, bytes) of each periodic line."""
     ticks = iter(range(10**6))
     out = io.StringIO()
-    progress = LineProgress("caching p/1", 100, interval=0.5, stream=out, clock=lambda: next(ticks))
+    progress = LineProgress(
+        "caching p/1", total, interval=0.5, stream=out, clock=lambda: next(ticks)
+    )
     yogastore.Store(tmp_path).cache("p", "1", make, spec=spec, progress=progress)
     lines = out.getvalue().strip().splitlines()
-    assert lines[-1].startswith("caching p/1: 100/100 records, 100.0%") and "done in" in lines[-1]
+    done = f"caching p/1: {total}/{total} records, 100.0%"
+    assert lines[-1].startswith(done) and "done in" in lines[-1]
     scale = {"B": 1, "KB": 1e3, "MB": 1e6}
     rows = []
     for line in lines[:-1]:
@@ -34,17 +38,18 @@ def _build(tmp_path: Path, make: Any, spec: Any = None) -> list[tuple[int, float
     return rows
 
 
-def test_fixed_tf_source_counts_in_growing_batches(tmp_path: Path) -> None:
+def test_fixed_tf_source_counts_in_full_batches(tmp_path: Path) -> None:
     def make() -> tf.data.Dataset:
-        return tf.data.Dataset.range(100).map(lambda i: {"x": tf.fill([8], tf.cast(i, tf.float32))})
+        ds = tf.data.Dataset.range(1300)
+        return ds.map(lambda i: {"x": tf.fill([8], tf.cast(i, tf.float32))})
 
-    rows = _build(tmp_path, make)
-    assert [n for n, _ in rows] == [16, 48, 100], "batches of 16, 32, then the rest"
+    rows = _build(tmp_path, make, total=1300)
+    assert [n for n, _ in rows] == [512, 1024, 1300], "batches of 512, then the rest"
     # 32 bytes per record; sizes are printed to 0.1 KB.
     assert all(b >= 32 * n - 50 for n, b in rows), "each line shows the bytes of its records"
     ref = yogastore.Store(tmp_path).open("p", "1")
     got = [float(e["x"][0]) for e in ref.stream(shuffle=False)]
-    assert got == [float(i) for i in range(100)], "records in order, none lost at batch edges"
+    assert got == [float(i) for i in range(1300)], "records in order, none lost at batch edges"
 
 
 def test_text_tf_source_shows_bytes_before_the_first_chunk(tmp_path: Path) -> None:
@@ -52,7 +57,7 @@ def test_text_tf_source_shows_bytes_before_the_first_chunk(tmp_path: Path) -> No
         return tf.data.Dataset.range(100).map(lambda i: tf.strings.as_string(i))
 
     rows = _build(tmp_path, make)
-    assert rows[0][0] <= 16
+    assert rows[0][0] == 100, "one batch"
     assert all(b > 0 for _, b in rows), "no line says 0 B"
     assert [n for n, _ in rows] == sorted(n for n, _ in rows)
     ref = yogastore.Store(tmp_path).open("p", "1")
@@ -64,14 +69,3 @@ def test_iterable_source_shows_bytes_per_record(tmp_path: Path) -> None:
     rows = _build(tmp_path, lambda: [np.full(4, i, np.int64) for i in range(100)], spec)
     assert rows[0][0] == 1
     assert rows[0][1] >= 32 and rows[-1][1] > rows[0][1], "bytes grow with the records"
-
-
-@pytest.mark.parametrize("cap", [1, 8, 16, 20, 100, 512])
-def test_growing_batches_cover_the_source_in_order(cap: int) -> None:
-    from yogastore.build.tf_build import _growing_batches
-
-    batches = [b.numpy().tolist() for b in _growing_batches(tf.data.Dataset.range(1000), cap)]
-    assert [x for b in batches for x in b] == list(range(1000))
-    sizes = [len(b) for b in batches[:-1]]
-    assert max(sizes) <= cap and sizes[0] == min(16, cap)
-    assert sizes == sorted(sizes), "batches only grow"

@@ -25,6 +25,7 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from storage_backends.s3_options import Coordination
+from yogastore.build.batches import Batches
 from yogastore.build.progress import NullProgress, Progress
 from yogastore.format import StringBuffer, StringFormat
 from yogastore.queue.jobs import (
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "BackendUnavailableError",
+    "Batches",
     "BuildLimitError",
     "BuildTimeoutError",
     "ComponentSpec",

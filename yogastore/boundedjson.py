@@ -25,7 +25,8 @@ MAX_DEPTH = 64
 #: Longest integer accepted, in digits: enough for any 64-bit value.
 MAX_INT_DIGITS = 20
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
 _OPEN = np.array([ord("["), ord("{")], dtype=np.uint8)
 _CLOSE = np.array([ord("]"), ord("}")], dtype=np.uint8)
 
@@ -55,10 +56,39 @@ def _constant(text: str) -> Any:
 
 def depth(data: bytes) -> int:
     """Return the deepest nesting of arrays and objects outside strings."""
-    bare = np.frombuffer(_STRING.sub(b'""', data), dtype=np.uint8)
-    if bare.size == 0:
+    return _depth(_STRING.sub(b'""', data))
+
+
+def _measure(raw: bytes) -> tuple[int, int]:
+    """Depth outside strings and an upper bound of the longest integer's digits.
+
+    Vectorised when the document has no escapes (strings then lie between
+    consecutive quotes); with escapes, strings are emptied by a regex first.
+    """
+    if b"\\" in raw:
+        bare = _STRING.sub(b'""', raw)
+        longest = 0 if _LONG_DIGITS.search(bare) is None else MAX_INT_DIGITS + 1
+        return _depth(bare), longest
+    chars = np.frombuffer(raw, dtype=np.uint8)
+    quotes = chars == ord('"')
+    outside = (np.cumsum(quotes) & 1) == 0  # closing quotes count as outside
+    steps = ((chars == _OPEN[0]) | (chars == _OPEN[1])).astype(np.int32)
+    steps -= (chars == _CLOSE[0]) | (chars == _CLOSE[1])
+    steps *= outside
+    levels = int(np.cumsum(steps).max()) if chars.size else 0
+    # Digits inside strings count too: an upper bound, enough to skip the check.
+    breaks = np.flatnonzero((chars < ord("0")) | (chars > ord("9")))
+    edges = np.concatenate(([-1], breaks, [chars.size]))
+    return levels, int(np.diff(edges).max()) - 1
+
+
+def _depth(bare: bytes) -> int:
+    """``depth`` of a document whose strings are emptied."""
+    chars = np.frombuffer(bare, dtype=np.uint8)
+    if chars.size == 0:
         return 0
-    steps = np.isin(bare, _OPEN).astype(np.int32) - np.isin(bare, _CLOSE).astype(np.int32)
+    steps = ((chars == _OPEN[0]) | (chars == _OPEN[1])).astype(np.int32)
+    steps -= (chars == _CLOSE[0]) | (chars == _CLOSE[1])
     return int(np.cumsum(steps).max())
 
 
@@ -79,10 +109,19 @@ def loads(
     if not isinstance(data, bytes | bytearray | memoryview | str):
         raise error(f"{where}: expected JSON text, got {type(data).__name__}")
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    levels = depth(raw)
+    # Nesting cannot exceed the number of opening brackets (those in strings
+    # included): most documents (chunk headers) need no exact measure.
+    opening = raw.count(b"[") + raw.count(b"{")
+    if opening <= MAX_DEPTH:
+        levels, long_digits = opening, _LONG_DIGITS.search(raw) is not None
+    else:
+        levels, longest = _measure(raw)
+        long_digits = longest > MAX_INT_DIGITS
     if levels > MAX_DEPTH:
         raise error(f"{where}: JSON nested {levels} levels deep (at most {MAX_DEPTH} accepted)")
     try:
-        return json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        if long_digits:
+            return json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        return json.loads(raw, parse_float=_float, parse_constant=_constant)
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
         raise error(f"{where}: not valid JSON: {err}") from err

@@ -23,6 +23,7 @@ from storage_backends.errors import (
     YogaStoreError,
 )
 from yogastore import housekeeping
+from yogastore.build.batches import Batches, items_of_batches
 from yogastore.build.buildcheck import (
     BuildOptions,
     canonical_fingerprint,
@@ -417,7 +418,7 @@ class Store:
             dataset_id: dataset name (printable, no ``/`` or ``..``).
             version: version name (same rules).
             make_dataset: returns a ``tf.data.Dataset``, or an iterable of numpy
-                structures described by ``spec``.
+                structures described by ``spec`` (records, or ``Batches`` of them).
             spec: for iterables, a nest of ``ComponentSpec`` (or of ``tf.TypeSpec``).
             chunk_bytes: target chunk size (default: the store's).
             progress: progress sink (default: tqdm on a terminal, else a line
@@ -734,13 +735,15 @@ class Store:
             raise InvalidArgumentError(
                 "make_dataset returned a non-tf.data iterable; pass spec= (a nest of ComponentSpec)"
             )
-        if _contains_component_spec(spec):
-            schema = Schema.from_specs(spec)
-            return schema, records_from_iterable(schema, source), None
-        from yogastore import tf as ytf
+        schema = self._schema_of_spec(spec)
+        element_spec = None if _contains_component_spec(spec) else spec
+        if isinstance(source, Batches):
+            return schema, items_of_batches(schema, source), element_spec
+        if element_spec is not None:
+            from yogastore import tf as ytf
 
-        schema = ytf.schema_from_element_spec(spec)
-        return schema, records_from_iterable(schema, ytf.numpy_records(source)), spec
+            source = ytf.numpy_records(source)
+        return schema, records_from_iterable(schema, source), element_spec
 
     def cacheable(
         self, dataset_id: str, version: str = "1", **options: Any

@@ -57,6 +57,7 @@ from storage_backends.errors import (
     StaleCacheError,
 )
 from yogastore import boundedjson
+from yogastore.build.batches import Batches
 from yogastore.build.buildcheck import (
     BuildOptions,
     check_fingerprint,
@@ -154,7 +155,9 @@ class _Intent:
     schema: Schema
     fingerprint: str | None
     attempt: str
-    split: str  # "caller": make_dataset(rank, n); "stride": every n-th element from rank
+    # "caller": make_dataset(rank, n); "stride": every n-th element from rank;
+    # "stride-batches": every n-th batch of a ``Batches`` source from rank
+    split: str
 
     def to_json(self) -> bytes:
         doc = {
@@ -180,7 +183,7 @@ class _Intent:
             or not re.fullmatch(r"[0-9a-f]{12}", build_id)
             or not (fingerprint is None or isinstance(fingerprint, str))
             or not isinstance(doc.get("attempt"), str)
-            or doc.get("split") not in ("caller", "stride")
+            or doc.get("split") not in ("caller", "stride", "stride-batches")
         ):
             raise CorruptCacheError(
                 f"{where} is not a parallel build intent; delete the version and build it again"
@@ -260,6 +263,8 @@ def _part_source(make_dataset: Callable[..., Any], rank: int, num_ranks: int) ->
     source = make_dataset()
     if _is_tf_dataset(source):
         return source.shard(num_ranks, rank)
+    if isinstance(source, Batches):
+        return Batches(itertools.islice(iter(source), rank, None, num_ranks))
     return itertools.islice(iter(source), rank, None, num_ranks)
 
 
@@ -284,7 +289,11 @@ def _adopt_intent(job: _Job, schema: Schema, fingerprint: str | None, split: str
     if theirs.attempt != job.attempt:
         what.append(f"attempt {theirs.attempt!r:.200}")
     if theirs.split != split:
-        how = {"caller": "make_dataset(rank, num_ranks)", "stride": "every n-th element"}
+        how = {
+            "caller": "make_dataset(rank, num_ranks)",
+            "stride": "every n-th element",
+            "stride-batches": "every n-th batch of Batches",
+        }
         what.append(f"its source split by {how[theirs.split]}")
     if what:
         raise StaleCacheError(
@@ -541,7 +550,10 @@ def _take_part(
     source = _part_source(make_dataset, job.rank, job.num_ranks)
     total = check_source_size(source, job.name, options)
     schema, items, element_spec = store._prepare(source, spec)
-    split = "caller" if _takes_shard(make_dataset) else "stride"
+    if _takes_shard(make_dataset):
+        split = "caller"
+    else:
+        split = "stride-batches" if isinstance(source, Batches) else "stride"
     with store.backend.lock(job.name, timeout=store.lock_timeout):
         if store._read_manifest(job.dataset_id, job.version) is not None:
             return None, None  # committed meanwhile: checked as a hit

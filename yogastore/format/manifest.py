@@ -8,6 +8,7 @@ and raises ``CorruptCacheError`` naming the dataset and what failed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from typing import Any
@@ -40,6 +41,7 @@ MANIFEST = "manifest.json"
 #: Longest dataset id or version, in UTF-8 bytes.
 MAX_NAME_BYTES = 200
 _CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -103,6 +105,49 @@ def _str(obj: dict[str, Any], name: str, where: str) -> str:
     if not isinstance(value, str):
         raise CorruptCacheError(f"{where}: field {name!r} must be a string, got {value!r}")
     return value
+
+
+def _well_formed_rows(rows: list[Any], prefix: str) -> tuple[list[ChunkInfo], int] | None:
+    """The chunk table and its record count when every row passes ``from_json``'s checks.
+
+    The same checks as the row-by-row loop, a column at a time (a table of 15,625
+    chunks: 0.15 s row by row). ``None`` when any row fails: the loop then finds and
+    names it.
+    """
+    try:
+        table = [
+            (
+                r["key"], r["first"], r["count"], r["nbytes"], r["index_bytes"],
+                r["checksum"], r["index_checksum"],
+            )
+            for r in rows
+        ]  # fmt: skip
+    except (TypeError, KeyError, IndexError):
+        return None
+    if not table:
+        return [], 0
+    keys, firsts, counts, sizes, index_sizes, sums, index_sums = map(list, zip(*table, strict=True))
+    if not all(type(v) is int for col in (firsts, counts, sizes, index_sizes) for v in col):
+        return None  # bools and floats too are refused by the loop
+    starts = list(itertools.accumulate(counts, initial=0))
+    if (
+        starts[:-1] != firsts
+        or min(counts) < 1
+        or min(sizes) < 8
+        or min(index_sizes) < 8
+        or any(i > n for i, n in zip(index_sizes, sizes, strict=True))
+    ):
+        return None
+    cut = len(prefix)
+    if not all(type(k) is str and k.startswith(prefix) and "/" not in k[cut:] for k in keys):
+        return None
+    digests = sums + index_sums
+    if not all(type(d) is str and len(d) == 24 and d.startswith("xxh3_64:") for d in digests):
+        return None
+    if not _HEX.fullmatch("".join(d[8:] for d in digests)):
+        return None
+    chunks = list(map(ChunkInfo, keys, firsts, counts, sizes, index_sizes, sums, index_sums))
+    return chunks, starts[-1]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -184,9 +229,10 @@ class Manifest:
         rows = doc.get("chunks")
         if not isinstance(rows, list):
             raise CorruptCacheError(f"{where}: manifest has no chunk table")
-        chunks = []
-        expected_first = 0
-        for i, row in enumerate(rows):
+        fast = _well_formed_rows(rows, prefix)
+        chunks: list[ChunkInfo] = [] if fast is None else fast[0]
+        expected_first = 0 if fast is None else fast[1]
+        for i, row in enumerate(rows if fast is None else ()):
             at = f"{where} chunk {i}"
             if not isinstance(row, dict):
                 raise CorruptCacheError(f"{at}: chunk table row is not an object")
