@@ -148,6 +148,29 @@ def test_large_data_areas_are_laid_out_on_pages_of_the_stored_value() -> None:
         assert data[first : first + 16384 * n] == bytes([7]) * (16384 * n)
 
 
+@pytest.mark.parametrize(("record", "paged"), [(5000, True), (4096, True), (4095, False)])
+def test_records_of_a_page_or_more_start_the_block_grid_on_a_page(
+    record: int, paged: bool
+) -> None:
+    """Blocks follow the pages, so a record is verified in the pages it spans."""
+    from yogastore.format.decode import parse_header
+    from yogastore.format.encode import PAGE_PHASE
+
+    columns = [ColumnSpec("fixed", "int64", ()), ColumnSpec("fixed", "uint8", (record,))]
+    n = 40
+    builder = ChunkBuilder(columns)
+    rows = np.arange(n * record, dtype=np.int64).astype(np.uint8).reshape(n, record)
+    builder.add_slab(Slab(n, (np.arange(n, dtype=np.int64), rows)))
+    data = builder.encode()
+    header = parse_header(data, len(data), "test")
+    start = header["cols"][1]["data"][0]
+    base, block = header["blocks"][2], header["blocks"][3]
+    assert block <= 4096 and 4096 % block == 0
+    assert ((start + PAGE_PHASE) % 4096 == 0) is paged
+    assert ((base + PAGE_PHASE) % 4096 == 0) is paged
+    assert data[start : start + rows.nbytes] == rows.tobytes()
+
+
 def test_an_empty_source_of_strings_and_ragged_rows_reads_as_no_batches(tmp_path: Path) -> None:
     ds = _dataset(_records()).take(0)
     ref = yogastore.Store(tmp_path).cache("e", "1", lambda: ds, progress=yogastore.NullProgress())
