@@ -149,9 +149,7 @@ def test_large_data_areas_are_laid_out_on_pages_of_the_stored_value() -> None:
 
 
 @pytest.mark.parametrize(("record", "paged"), [(5000, True), (4096, True), (4095, False)])
-def test_records_of_a_page_or_more_start_the_block_grid_on_a_page(
-    record: int, paged: bool
-) -> None:
+def test_records_of_a_page_or_more_start_the_block_grid_on_a_page(record: int, paged: bool) -> None:
     """Blocks follow the pages, so a record is verified in the pages it spans."""
     from yogastore.format.decode import parse_header
     from yogastore.format.encode import PAGE_PHASE
