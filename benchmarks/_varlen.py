@@ -6,6 +6,8 @@ Rows of one case, side by side on the same records:
 (a)  ``TFRecordDataset`` sequential, batched, ``parse_example``;
 (e3) ``TFRecordDataset.shard(4, 0).shuffle(10000)``, batched, parsed (what users do today);
 (b)  ``stream(shuffle, 4 shards).to_tf_dataset(256)``;
+(b0) (b)'s batches prepared in memory beforehand and handed to tf.data by ``from_generator``
+     (no read: the ceiling of that hand-over, which (b) goes through);
 (c)  ``Stream.batches(256, strings=StringFormat.BUFFERS)`` (bytes + offsets);
 (c2) ``Stream.batches(256)`` (numpy object arrays of ``bytes``);
 (d)  the same index batches gathered from the records held in memory as values + offsets,
@@ -28,7 +30,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +318,61 @@ def stream_tf_row(ctx: VarContext, key: str = "b") -> dict[str, Any]:
         lambda p: _stream(ctx, p).to_tf_dataset(batch_size=case.batch_size),
         stream_indices(ctx.ref, case, 1),
         lambda p: stream_indices(ctx.ref, case, p),
+    )
+
+
+def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
+    """(b0) (b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
+
+    No reading, no checks: what any reader that hands Python-held bytes to tf.data pays
+    (one ``from_generator`` call per batch, a numpy object array of ``bytes`` per string
+    component, ragged tokens rebuilt from values and row splits in the graph). (b) goes
+    through the same boundary, so (b0)/(a) bounds what (b)/(a) can reach that way.
+    """
+    import tensorflow as tf
+
+    case = ctx.case
+    text = case.kind == "text"
+    recs = ctx.recs
+    order = stream_indices(ctx.ref, case, 1)
+    batches: list[tuple[Any, ...]] = []
+    for start in range(0, len(order), case.batch_size):
+        idx = order[start : start + case.batch_size]
+        item: tuple[Any, ...] = (
+            np.array([recs.x_at(int(i)) for i in idx], dtype=object),
+            recs.labels[idx],
+        )
+        if text:
+            toks = [recs.tok_at(int(i)) for i in idx]
+            splits = _offsets(np.array([len(t) for t in toks], np.int64))
+            item += (np.concatenate(toks) if toks else np.empty(0, np.int32), splits)
+        batches.append(item)
+    specs: tuple[Any, ...] = (tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.int64))
+    if text:
+        specs += (tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int64))
+
+    def rebuild(*w: Any) -> dict[str, Any]:
+        out = {"x": w[0], "y": w[1]}
+        if text:
+            out["tokens"] = tf.RaggedTensor.from_row_splits(w[2], w[3], validate=False)
+        return out
+
+    def make(passes: int) -> Any:
+        def generate() -> Iterator[tuple[Any, ...]]:
+            for _ in range(passes):
+                yield from batches
+
+        ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+        return ds.map(rebuild).prefetch(tf.data.AUTOTUNE)
+
+    return _timed_tf_row(
+        ctx,
+        "b0",
+        f"(b)'s batches prepared in memory, handed over by from_generator ({case.batch_size})",
+        make,
+        order,
+        lambda p: np.tile(order, p),
+        note="ceiling of the from_generator hand-over (no read, no check)",
     )
 
 
