@@ -176,3 +176,45 @@ def test_ranks_of_a_parallel_first_pass_take_every_other_batch(tmp_path: Path) -
     part0 = [*range(0, 100), *range(200, 300), *range(400, 450)]
     part1 = [*range(100, 200), *range(300, 400)]
     assert ids == part0 + part1
+
+
+def test_a_source_that_refills_one_buffer_is_stored_as_it_was_yielded(tmp_path: Path) -> None:
+    """Batches and records alike: what is kept until a chunk is written is a copy."""
+    spec = {"a": y.ComponentSpec(shape=(64,), dtype="int64")}
+    var = {"t": y.ComponentSpec(shape=(None,), dtype="float32")}
+    buf = np.zeros((100, 64), np.int64)
+    one = np.zeros(64, np.int64)
+    row = np.zeros(8, np.float32)
+
+    def in_batches() -> Any:
+        for k in range(20):
+            buf[:] = np.arange(k * 100, (k + 1) * 100)[:, None]
+            yield {"a": buf}
+
+    def one_by_one() -> Any:
+        for i in range(2000):
+            one[:] = i
+            yield {"a": one}
+
+    def var_rows() -> Any:
+        for i in range(500):
+            row[:] = i
+            yield {"t": row[: 1 + i % 8]}
+
+    store = y.Store(tmp_path, chunk_bytes=256 << 10)
+    for name, make in (("b", lambda: y.Batches(in_batches())), ("r", one_by_one)):
+        ref = store.cache(name, "1", make, spec=spec, progress=y.NullProgress())
+        got = np.concatenate([b["a"] for b in ref.stream(shuffle=False).batches(512)])
+        assert np.array_equal(got, np.repeat(np.arange(2000)[:, None], 64, axis=1)), name
+    ref = store.cache("v", "1", var_rows, spec=var, progress=y.NullProgress())
+    got = [np.asarray(e["t"]).tolist() for e in ref.stream(shuffle=False)]
+    assert got == [[float(i)] * (1 + i % 8) for i in range(500)]
+
+
+def test_a_ragged_list_in_a_batch_is_named() -> None:
+    spec = {"a": y.ComponentSpec(shape=(2,), dtype="int64")}
+    items = iter(y.build.batches.items_of_batches(y.spec.Schema.from_specs(spec), [
+        {"a": [[1, 2], [3, 4]]}, {"a": [[1, 2], [3]]}]))  # fmt: skip
+    assert next(items)[0] == "batch"
+    with pytest.raises(y.UnsupportedElementError, match=r"batch 1: component 'a'"):
+        next(items)

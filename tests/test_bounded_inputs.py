@@ -200,14 +200,20 @@ def _big_manifest(tmp_path: Path) -> dict[str, Any]:
 
 BAD_ROWS = [
     (lambda r: r.update(first=r["first"] + 1), "starts at record"),
-    (lambda r: r.update(count=0), "'count' must be an integer >= 1"),
+    (lambda r: r.update(count=0), r"'count' must be an integer in \[1, "),
+    (lambda r: r.update(count=2**60), r"'count' must be an integer in \[1, 2\*\*48"),
     (lambda r: r.update(count=True), "'count' must be an integer"),
     (lambda r: r.update(nbytes=float(r["nbytes"])), "'nbytes' must be an integer"),
     (lambda r: r.update(index_bytes=r["nbytes"] + 1), "exceeds chunk"),
     (lambda r: r.update(key="e/1/chunk"), "outside"),
     (lambda r: r.update(key=r["key"] + "/x"), "outside"),
     (lambda r: r.update(checksum=r["checksum"].upper()), "malformed checksum"),
+    (lambda r: r.update(checksum=r["checksum"] + "\n"), "malformed checksum"),
+    (lambda r: r.update(index_checksum=r["index_checksum"][:-1] + "g"), "malformed index_checksum"),
     (lambda r: r.update(index_checksum=5), "must be a string"),
+    (lambda r: r.update(key=r["key"] + "\x00"), "not a printable name"),
+    (lambda r: r.update(key=r["key"] + "\ud800"), "not a printable name"),
+    (lambda r: r.update(key="d/1/"), "not a printable name"),
     (lambda r: r.pop("index_bytes"), "'index_bytes' must be an integer"),
 ]
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from storage_backends.errors import InvalidArgumentError, UnsupportedElementError
-from yogastore.build.casts import check_value
+from yogastore.build.casts import as_numpy, check_value
 from yogastore.format.encode import Slab
 from yogastore.format.layout import columns_for
 from yogastore.spec import STRING, Schema, numpy_dtype
@@ -118,28 +118,40 @@ def items_of_batches(schema: Schema, batches: Iterable[Any]) -> Iterator[tuple[s
 
 
 def _batch_array(comp: Any, leaf: Any, path: str, at: int) -> np.ndarray:
-    """``leaf`` as an ``[n, *shape]`` array of the component's dtype (checked first)."""
-    if leaf is None or isinstance(leaf, str | bytes) or np.ndim(leaf) == 0:
-        raise UnsupportedElementError(
-            f"batch {at}: component {path!r} is {type(leaf).__name__} {leaf!r:.40}, not a "
-            f"batch of records of shape {comp.shape} (its first dimension counts the records)"
-        )
+    """A copy of ``leaf`` as an ``[n, *shape]`` array of the component's dtype (checked first).
+
+    A copy: sources often refill one buffer for every batch, and the chunk writer
+    keeps a batch's arrays until its chunk is written.
+    """
+    if leaf is None or isinstance(leaf, str | bytes):
+        raise _not_a_batch(comp, leaf, path, at)
+    leaf = as_numpy(leaf)
     try:
         check_value(comp, leaf, path)
     except UnsupportedElementError as err:
         raise UnsupportedElementError(f"batch {at}: {err}") from err
-    if comp.dtype == STRING:
-        arr = np.asarray(leaf, dtype=object)
-    else:
-        arr = np.asarray(leaf)
-        if arr.dtype != numpy_dtype(comp.dtype):
-            arr = arr.astype(numpy_dtype(comp.dtype))  # checked lossless above
+    try:
+        arr = np.array(leaf, dtype=object if comp.dtype == STRING else numpy_dtype(comp.dtype))
+    except (ValueError, TypeError, OverflowError) as err:
+        raise UnsupportedElementError(
+            f"batch {at}: component {path!r} is not an array of records of shape "
+            f"{comp.shape}: {err}"
+        ) from err
+    if arr.ndim == 0:
+        raise _not_a_batch(comp, leaf, path, at)
     if arr.shape[1:] != comp.shape:
         raise UnsupportedElementError(
             f"batch {at}: component {path!r} has shape {arr.shape}; a batch of n records "
             f"of shape {comp.shape} has shape ({', '.join(['n', *map(str, comp.shape)])})"
         )
     return arr
+
+
+def _not_a_batch(comp: Any, leaf: Any, path: str, at: int) -> UnsupportedElementError:
+    return UnsupportedElementError(
+        f"batch {at}: component {path!r} is {type(leaf).__name__} {leaf!r:.40}, not a "
+        f"batch of records of shape {comp.shape} (its first dimension counts the records)"
+    )
 
 
 def _text(value: Any) -> bytes:

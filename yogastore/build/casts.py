@@ -36,7 +36,7 @@ import numpy as np
 from storage_backends.errors import UnsupportedElementError
 from yogastore.spec import STRING, ComponentSpec, Kind, RaggedValue, SparseValue, numpy_dtype
 
-__all__ = ["check_value"]
+__all__ = ["as_numpy", "check_value"]
 
 _TEXT = (bytes, bytearray, str, np.bytes_, np.str_)
 # Integers of up to this magnitude are exact in float64, so they can be compared there.
@@ -79,6 +79,7 @@ def check_value(comp: ComponentSpec, value: Any, path: str) -> None:
         value = value.values
     elif isinstance(value, RaggedValue):
         value = value.flat_values
+    value = as_numpy(value)
     if comp.dtype == STRING:
         _check_text(comp, value, path)
         return
@@ -88,6 +89,22 @@ def check_value(comp: ComponentSpec, value: Any, path: str) -> None:
     else:
         arr = _from_python(comp, value, path, target)
     _check_array(comp, value, arr, path, target)
+
+
+def as_numpy(value: Any) -> Any:
+    """An array-like with a dtype of its own (a tf or torch tensor) as a numpy array.
+
+    Judged by that dtype, not element by element as Python numbers (and in one call).
+    """
+    if isinstance(value, np.ndarray | np.generic) or not hasattr(value, "dtype"):
+        return value
+    if not hasattr(value, "__array__"):
+        return value
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):
+        return value
+    return value if arr.dtype == object else arr
 
 
 def _objects(comp: ComponentSpec, value: Any, path: str) -> np.ndarray:

@@ -156,7 +156,9 @@ class ChunkBuilder:
         """Add one record given as one value per column."""
         for col, parts, value in zip(self.columns, self._parts, values, strict=True):
             if col.layout == "fixed":
-                a = np.asarray(value, dtype=col.np_dtype)
+                # A copy (as in _add_one): a source may refill one buffer for every record,
+                # and the parts are kept until the chunk is encoded.
+                a = np.array(value, dtype=col.np_dtype)
                 if a.shape != col.shape:
                     raise UnsupportedElementError(
                         f"value of shape {a.shape} does not match {col.shape}"
@@ -178,7 +180,7 @@ class ChunkBuilder:
             parts.append((a.shape, strings))
             self.nbytes += sum(len(s) for s in strings) + 8 * (len(strings) + 1)
         else:
-            a = np.asarray(value, dtype=col.np_dtype)
+            a = np.array(value, dtype=col.np_dtype)  # a copy, see add_record
             _check_shape(col, a.shape)
             parts.append(a)
             self.nbytes += a.nbytes + 8 * (col.ndim + 1)

@@ -40,7 +40,10 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 #: Longest dataset id or version, in UTF-8 bytes.
 MAX_NAME_BYTES = 200
-_CHECKSUM = re.compile(r"^xxh3_64:[0-9a-f]{16}$")
+_CHECKSUM = re.compile(r"xxh3_64:[0-9a-f]{16}")
+#: Most records a dataset may hold: far beyond any real one (2 PB of 8-byte records), and
+#: small enough that every index, permutation and count fits an int64 with room to spare.
+MAX_RECORDS = (1 << 48) - 1
 _HEX = re.compile(r"[0-9a-f]*")
 
 
@@ -96,8 +99,8 @@ class ChunkInfo:
         return dataclasses.asdict(self)
 
 
-def _int(obj: dict[str, Any], name: str, where: str, low: int = 0) -> int:
-    return check_int(f"{where}: field {name!r}", obj.get(name), low, error=CorruptCacheError)
+def _int(obj: dict[str, Any], name: str, where: str, low: int = 0, high: int | None = None) -> int:
+    return check_int(f"{where}: field {name!r}", obj.get(name), low, high, error=CorruptCacheError)
 
 
 def _str(obj: dict[str, Any], name: str, where: str) -> str:
@@ -133,13 +136,21 @@ def _well_formed_rows(rows: list[Any], prefix: str) -> tuple[list[ChunkInfo], in
     if (
         starts[:-1] != firsts
         or min(counts) < 1
+        or max(counts) > MAX_RECORDS
         or min(sizes) < 8
         or min(index_sizes) < 8
         or any(i > n for i, n in zip(index_sizes, sizes, strict=True))
     ):
         return None
     cut = len(prefix)
-    if not all(type(k) is str and k.startswith(prefix) and "/" not in k[cut:] for k in keys):
+    if not all(
+        type(k) is str
+        and k.startswith(prefix)
+        and "/" not in k[cut:]
+        and k[cut:].isprintable()
+        and len(k) > cut
+        for k in keys
+    ):
         return None
     digests = sums + index_sums
     if not all(type(d) is str and len(d) == 24 and d.startswith("xxh3_64:") for d in digests):
@@ -224,7 +235,7 @@ class Manifest:
                 f"{FORMAT_VERSION} (version 1 chunks lack the block checksums every read now "
                 "checks); delete this version and build it again with this yogastore version"
             )
-        num_records = _int(doc, "num_records", where)
+        num_records = _int(doc, "num_records", where, high=MAX_RECORDS)
         schema = Schema.from_json(doc.get("schema"), where)
         rows = doc.get("chunks")
         if not isinstance(rows, list):
@@ -239,22 +250,29 @@ class Manifest:
             info = ChunkInfo(
                 key=_str(row, "key", at),
                 first=_int(row, "first", at),
-                count=_int(row, "count", at, low=1),
+                count=_int(row, "count", at, low=1, high=MAX_RECORDS),
                 nbytes=_int(row, "nbytes", at, low=8),
                 index_bytes=_int(row, "index_bytes", at, low=8),
                 checksum=_str(row, "checksum", at),
                 index_checksum=_str(row, "index_checksum", at),
             )
-            if not info.key.startswith(prefix) or "/" in info.key[len(prefix) :]:
+            name = info.key[len(prefix) :]
+            if not info.key.startswith(prefix) or "/" in name:
                 raise CorruptCacheError(f"{at}: chunk key {info.key!r} is outside {prefix!r}")
+            if not name.isprintable() or not name:
+                raise CorruptCacheError(f"{at}: chunk key {info.key!r} is not a printable name")
             if info.first != expected_first:
                 raise CorruptCacheError(
                     f"{at}: starts at record {info.first}, expected {expected_first}"
                 )
             if info.index_bytes > info.nbytes:
                 raise CorruptCacheError(f"{at}: index of {info.index_bytes} bytes exceeds chunk")
-            if not (_CHECKSUM.match(info.checksum) and _CHECKSUM.match(info.index_checksum)):
-                raise CorruptCacheError(f"{at}: malformed checksum {info.checksum!r}")
+            for field, digest in (
+                ("checksum", info.checksum),
+                ("index_checksum", info.index_checksum),
+            ):
+                if not _CHECKSUM.fullmatch(digest):
+                    raise CorruptCacheError(f"{at}: malformed {field} {digest!r}")
             expected_first += info.count
             chunks.append(info)
         if expected_first != num_records:
