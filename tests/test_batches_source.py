@@ -218,3 +218,15 @@ def test_a_ragged_list_in_a_batch_is_named() -> None:
     assert next(items)[0] == "batch"
     with pytest.raises(y.UnsupportedElementError, match=r"batch 1: component 'a'"):
         next(items)
+
+
+def test_empty_batches_as_lists_and_a_spec_without_components(tmp_path: Path) -> None:
+    spec = {"img": y.ComponentSpec(shape=(2, 3), dtype="float32"), "label": SPEC["id"]}
+    full = {"img": np.ones((2, 2, 3), np.float32).tolist(), "label": [1, 2]}
+    store = y.Store(tmp_path)
+    ref = store.cache(
+        "e", "1", lambda: y.Batches([full, {"img": [], "label": []}, full]), spec=spec
+    )
+    assert [int(e["label"]) for e in ref.stream(shuffle=False)] == [1, 2, 1, 2]
+    with pytest.raises(y.InvalidArgumentError, match="at least one component"):
+        store.cache("none", "1", lambda: y.Batches([{}, {}]), spec={})

@@ -233,3 +233,35 @@ def test_a_long_chunk_table_parses_to_its_rows(tmp_path: Path) -> None:
     doc["chunks"][5] = ["not", "a", "row"]
     with pytest.raises(CorruptCacheError, match="chunk 5: chunk table row is not an object"):
         Manifest.from_json(json.dumps(doc).encode(), "m", "d/1/")
+
+
+def test_a_chunk_count_its_bytes_cannot_hold_is_corrupt(tmp_path: Path) -> None:
+    doc = _big_manifest(tmp_path)  # 16 bytes per record
+    last = doc["chunks"][-1]
+    last["count"] += 10**6
+    doc["num_records"] += 10**6
+    with pytest.raises(CorruptCacheError, match=r"records of at least 16 bytes each cannot fit"):
+        Manifest.from_json(json.dumps(doc).encode(), "m", "d/1/")
+
+
+def test_a_structure_too_deep_for_its_manifest_is_refused_before_reading(tmp_path: Path) -> None:
+    def nest(depth: int, leaf: Any) -> Any:
+        for _ in range(depth):
+            leaf = {"k": leaf}
+        return leaf
+
+    store = yogastore.Store(tmp_path)
+    ok = store.cache("ok", "1", lambda: [nest(25, np.int64(1))], spec=nest(25, SPEC["x"].__class__(
+        shape=(), dtype="int64")))  # fmt: skip
+    assert yogastore.Store(tmp_path).open("ok", "1").num_records == 1
+    assert ok.num_records == 1
+    read = []
+
+    def deep() -> Any:
+        read.append(1)
+        yield nest(40, np.int64(1))
+
+    spec = nest(40, yogastore.ComponentSpec(shape=(), dtype="int64"))
+    with pytest.raises(yogastore.UnsupportedElementError, match=r"nests \d+ levels deep"):
+        store.cache("deep", "1", deep, spec=spec)
+    assert read == [] and [i.dataset_id for i in store.list()] == ["ok"]

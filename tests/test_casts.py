@@ -117,3 +117,21 @@ def test_ragged_and_sparse_values_checked(tmp_path: Path) -> None:
     bad = SparseValue(np.array([[0]], np.int64), np.array([0.5]), np.array([4], np.int64))
     with pytest.raises(yogastore.UnsupportedElementError, match="float64 would lose"):
         store.cache("s", "1", lambda: [bad], spec=sparse)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bad"),
+    [("int64", 2**64 - 1), ("uint64", -1), ("int8", 2**64 - 1), ("float64", 2**64 - 1)],
+)
+def test_integers_no_single_integer_type_holds_are_refused_by_value(
+    tmp_path: Path, dtype: str, bad: int
+) -> None:
+    """-1 and 2**64 - 1 together fit neither int64 nor uint64: the misfit is named."""
+    spec = {"v": yogastore.ComponentSpec(shape=(2,), dtype=dtype)}
+    with pytest.raises(yogastore.UnsupportedElementError, match=f"integer {bad} "):
+        yogastore.Store(tmp_path).cache("d", "1", lambda: [{"v": [-1, 2**64 - 1]}], spec=spec)
+    ref = yogastore.Store(tmp_path).cache(
+        "f", "1", lambda: [{"v": [-1, 2**63]}],
+        spec={"v": yogastore.ComponentSpec(shape=(2,), dtype="float64")},
+    )  # fmt: skip
+    assert [np.asarray(e["v"]).tolist() for e in ref.stream(shuffle=False)] == [[-1.0, 2.0**63]]

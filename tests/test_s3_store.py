@@ -493,3 +493,20 @@ def test_coalesce_properties(pairs: list[tuple[int, int]], gap: int, overfetch: 
     # Extra bytes: at most ``gap`` per merge, then ``overfetch`` of what is kept.
     limit = (wanted.sum() + gap * len(pairs)) * (1 + overfetch)
     assert fetched.sum() <= limit
+
+
+def test_a_chunk_row_claiming_more_bytes_than_can_be_held_is_corrupt(
+    bucket: str, tmp_path: Path
+) -> None:
+    """A manifest row's size is the buffer a remote reader allocates: a huge one is named."""
+    store = s3_store(tmp_path)
+    build(store)
+    key = "ds/1/manifest.json"
+    doc = json.loads(bytes(store.backend.get(key)))
+    doc["chunks"][1]["nbytes"] = 2**62
+    store.backend.delete(key)
+    store.backend.put(key, json.dumps(doc).encode())
+    for shuffle in (y.Shuffle.BLOCK, y.Shuffle.GLOBAL):
+        stream = s3_store(tmp_path).open("ds", "1").stream(0, 1, shuffle=shuffle, seed=1)
+        with pytest.raises(y.CorruptCacheError, match=r"c-.*000001: its manifest row gives"):
+            read_all(stream)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import functools
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -20,9 +21,10 @@ from storage_backends.errors import (
     LockLostError,
     LockTimeoutError,
     StorageError,
+    UnsupportedElementError,
     YogaStoreError,
 )
-from yogastore import housekeeping
+from yogastore import boundedjson, housekeeping
 from yogastore.build.batches import Batches, items_of_batches
 from yogastore.build.buildcheck import (
     BuildOptions,
@@ -87,6 +89,21 @@ class DatasetInfo:
     version: str
     num_records: int
     bytes: int
+
+
+def _readable(schema: Schema) -> Schema:
+    """Refuse, before any record is read, a structure nested too deep for its manifest.
+
+    Raises:
+        UnsupportedElementError: the manifest would nest deeper than stored JSON is read.
+    """
+    levels = 1 + boundedjson.depth(json.dumps(schema.to_json()).encode())
+    if levels > boundedjson.MAX_DEPTH:
+        raise UnsupportedElementError(
+            f"the element's structure nests {levels} levels deep in the manifest, and stored "
+            f"JSON is read to {boundedjson.MAX_DEPTH} levels: flatten the structure"
+        )
+    return schema
 
 
 def _is_tf_dataset(obj: Any) -> bool:
@@ -729,13 +746,13 @@ class Store:
         if _is_tf_dataset(source):
             from yogastore import tf as ytf
 
-            schema = ytf.schema_from_element_spec(source.element_spec)
+            schema = _readable(ytf.schema_from_element_spec(source.element_spec))
             return schema, ytf.dataset_items(source, schema), source.element_spec
         if spec is None:
             raise InvalidArgumentError(
                 "make_dataset returned a non-tf.data iterable; pass spec= (a nest of ComponentSpec)"
             )
-        schema = self._schema_of_spec(spec)
+        schema = _readable(self._schema_of_spec(spec))
         element_spec = None if _contains_component_spec(spec) else spec
         if isinstance(source, Batches):
             return schema, items_of_batches(schema, source), element_spec

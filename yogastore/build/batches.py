@@ -85,6 +85,11 @@ def items_of_batches(schema: Schema, batches: Iterable[Any]) -> Iterator[tuple[s
                 "Batches: every component must be dense with a fixed shape; yield the "
                 "records one by one instead"
             )
+    if not schema.components:
+        raise InvalidArgumentError(
+            "Batches needs at least one component to count a batch's records; a spec with "
+            "no components is yielded record by record"
+        )
     strings = any(c.dtype == STRING for c in schema.components)
     columns = [col for comp in schema.components for col in columns_for(comp)]
     for at, element in enumerate(batches):
@@ -139,6 +144,8 @@ def _batch_array(comp: Any, leaf: Any, path: str, at: int) -> np.ndarray:
         ) from err
     if arr.ndim == 0:
         raise _not_a_batch(comp, leaf, path, at)
+    if arr.shape == (0,) and comp.shape:
+        arr = arr.reshape((0, *comp.shape))  # an empty list: no records
     if arr.shape[1:] != comp.shape:
         raise UnsupportedElementError(
             f"batch {at}: component {path!r} has shape {arr.shape}; a batch of n records "

@@ -165,9 +165,13 @@ def _from_python(comp: ComponentSpec, value: Any, path: str, target: np.dtype[An
 def _check_big_ints(
     comp: ComponentSpec, value: Any, path: str, target: np.dtype[Any], ints: list[int]
 ) -> None:
-    """Integers beyond both int64 and uint64: only an exact, finite float can hold them."""
-    big = next(x for x in ints if not -(2**63) <= x < 2**64)
+    """Integers no single one of int64 and uint64 holds: only exact, finite floats can.
+
+    (Each may fit one of them, as -1 and 2**64 - 1 do.)
+    """
     if _kind(target) in "iub":
+        info = np.iinfo(target) if _kind(target) != "b" else np.iinfo(np.uint8)
+        big = next((x for x in ints if not info.min <= x <= info.max), max(ints))
         raise _refuse(comp, path, value, f"integer {big} is outside the {comp.dtype} range")
     for x in ints:
         try:

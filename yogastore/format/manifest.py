@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import re
 from typing import Any
 
@@ -108,6 +109,30 @@ def _str(obj: dict[str, Any], name: str, where: str) -> str:
     if not isinstance(value, str):
         raise CorruptCacheError(f"{where}: field {name!r} must be a string, got {value!r}")
     return value
+
+
+def _check_counts_fit(chunks: list[ChunkInfo], schema: Schema, where: str) -> None:
+    """Refuse a chunk whose record count cannot fit its bytes.
+
+    Every record takes its fixed columns' bytes and 8 bytes of offsets per
+    variable-length column, so a readable chunk holds at most ``nbytes`` over
+    that many records; readers size work by counts before a chunk is read.
+    """
+    least = 0
+    for comp in schema.components:
+        for col in columns_for(comp):
+            if col.layout == "fixed":
+                least += col.np_dtype.itemsize * math.prod(d or 0 for d in col.shape)
+            else:
+                least += 8
+    if least == 0:
+        return
+    for i, c in enumerate(chunks):
+        if c.count * least > c.nbytes:
+            raise CorruptCacheError(
+                f"{where} chunk {i}: {c.count} records of at least {least} bytes each cannot "
+                f"fit its {c.nbytes} bytes"
+            )
 
 
 def _well_formed_rows(rows: list[Any], prefix: str) -> tuple[list[ChunkInfo], int] | None:
@@ -279,6 +304,7 @@ class Manifest:
             raise CorruptCacheError(
                 f"{where}: chunk table covers {expected_first} records, manifest says {num_records}"
             )
+        _check_counts_fit(chunks, schema, where)
         created = doc.get("created", {})
         fingerprint = doc.get("source_fingerprint")
         if fingerprint is not None and not isinstance(fingerprint, str):

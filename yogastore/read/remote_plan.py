@@ -190,12 +190,25 @@ def first_jobs(
         # fetching it whole would fetch those bytes again.
         started = state.have is not None and bool(state.have.any())
         if not started and expected >= whole_fraction * state.info.count:
-            buf = np.empty(state.info.nbytes, dtype=np.uint8)
+            buf = _chunk_buffer(state, np.empty)
             whole_jobs.append(Job(state, buf, [(0, state.info.nbytes)], _WHOLE_GAP, whole=True))
         elif state.view is None:
-            buf = np.zeros(state.info.nbytes, dtype=np.uint8)
+            buf = _chunk_buffer(state, np.zeros)
             index_jobs.append(Job(state, buf, [(0, state.info.index_bytes)], 0))
     return whole_jobs, index_jobs
+
+
+def _chunk_buffer(state: ChunkState, make: Any) -> np.ndarray:
+    """A buffer for a whole chunk, of the size its manifest row gives."""
+    try:
+        buf: np.ndarray = make(state.info.nbytes, dtype=np.uint8)
+    except MemoryError as err:
+        raise CorruptCacheError(
+            f"chunk {state.info.key}: its manifest row gives {state.info.nbytes} bytes, more "
+            "than this process can allocate (a damaged manifest, or a chunk too large to "
+            "read on this machine)"
+        ) from err
+    return buf
 
 
 def record_jobs(
