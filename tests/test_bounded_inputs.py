@@ -211,9 +211,11 @@ BAD_ROWS = [
     (lambda r: r.update(checksum=r["checksum"] + "\n"), "malformed checksum"),
     (lambda r: r.update(index_checksum=r["index_checksum"][:-1] + "g"), "malformed index_checksum"),
     (lambda r: r.update(index_checksum=5), "must be a string"),
-    (lambda r: r.update(key=r["key"] + "\x00"), "not a printable name"),
-    (lambda r: r.update(key=r["key"] + "\ud800"), "not a printable name"),
-    (lambda r: r.update(key="d/1/"), "not a printable name"),
+    (lambda r: r.update(key=r["key"] + "\x00"), "not a storage key"),
+    (lambda r: r.update(key=r["key"] + "\ud800"), "not a storage key"),
+    (lambda r: r.update(key="d/1/"), "not a storage key"),
+    (lambda r: r.update(key="d/1/.."), "not a storage key"),
+    (lambda r: r.update(key="d/1/c-back\\slash"), "not a storage key"),
     (lambda r: r.pop("index_bytes"), "'index_bytes' must be an integer"),
 ]
 

@@ -173,7 +173,8 @@ def _well_formed_rows(rows: list[Any], prefix: str) -> tuple[list[ChunkInfo], in
         and k.startswith(prefix)
         and "/" not in k[cut:]
         and k[cut:].isprintable()
-        and len(k) > cut
+        and k[cut:] not in ("", ".", "..")
+        and "\\" not in k
         for k in keys
     ):
         return None
@@ -284,8 +285,11 @@ class Manifest:
             name = info.key[len(prefix) :]
             if not info.key.startswith(prefix) or "/" in name:
                 raise CorruptCacheError(f"{at}: chunk key {info.key!r} is outside {prefix!r}")
-            if not name.isprintable() or not name:
-                raise CorruptCacheError(f"{at}: chunk key {info.key!r} is not a printable name")
+            if name in ("", ".", "..") or not name.isprintable() or "\\" in name:
+                raise CorruptCacheError(
+                    f"{at}: chunk key {info.key!r} is not a storage key (printable, no "
+                    "backslash, not '.' or '..')"
+                )
             if info.first != expected_first:
                 raise CorruptCacheError(
                     f"{at}: starts at record {info.first}, expected {expected_first}"
