@@ -7,7 +7,7 @@ Rows of one case, side by side on the same records:
 (e3) ``TFRecordDataset.shard(4, 0).shuffle(10000)``, batched, parsed (what users do today);
 (b)  ``stream(shuffle, 4 shards).to_tf_dataset(256)``;
 (b0) (b)'s batches prepared in memory beforehand and handed to tf.data by ``from_generator``
-     (no read: the ceiling of that hand-over, which (b) goes through);
+     as (b) hands them over (no read: the ceiling of that hand-over);
 (c)  ``Stream.batches(256, strings=StringFormat.BUFFERS)`` (bytes + offsets);
 (c2) ``Stream.batches(256)`` (numpy object arrays of ``bytes``);
 (d)  the same index batches gathered from the records held in memory as values + offsets,
@@ -324,51 +324,68 @@ def stream_tf_row(ctx: VarContext, key: str = "b") -> dict[str, Any]:
 def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
     """(b0) (b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
 
-    No reading, no checks: what any reader that hands Python-held bytes to tf.data pays
-    (one ``from_generator`` call per batch, a numpy object array of ``bytes`` per string
-    component, ragged tokens rebuilt from values and row splits in the graph). (b) goes
-    through the same boundary, so (b0)/(a) bounds what (b)/(a) can reach that way.
+    No reading, no checks, the same hand-over as (b): ``k`` batches per Python call (about
+    8 MiB) as ``[k, batch]`` arrays of ``bytes`` (ragged tokens as values and row splits
+    of ``k * batch`` rows, regrouped in the graph), split by ``unbatch``. What any reader
+    that hands Python-held bytes to tf.data this way pays, so (b0)/(a) bounds (b)/(a).
     """
     import tensorflow as tf
+
+    from yogastore.train.tf_read import _GROUP_BYTES, _MAX_GROUP
 
     case = ctx.case
     text = case.kind == "text"
     recs = ctx.recs
+    size = case.batch_size
     order = stream_indices(ctx.ref, case, 1)
-    batches: list[tuple[Any, ...]] = []
-    for start in range(0, len(order), case.batch_size):
-        idx = order[start : start + case.batch_size]
-        item: tuple[Any, ...] = (
-            np.array([recs.x_at(int(i)) for i in idx], dtype=object),
-            recs.labels[idx],
-        )
-        if text:
-            toks = [recs.tok_at(int(i)) for i in idx]
-            splits = _offsets(np.array([len(t) for t in toks], np.int64))
-            item += (np.concatenate(toks) if toks else np.empty(0, np.int32), splits)
-        batches.append(item)
-    specs: tuple[Any, ...] = (tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.int64))
+    per_record = ctx.ref.manifest.nbytes / max(1, ctx.ref.num_records)
+    k = max(1, min(_MAX_GROUP, round(_GROUP_BYTES / max(1.0, per_record * size))))
+    groups: list[tuple[Any, ...]] = []
+    for start in range(0, len(order), size * k):
+        idx = order[start : start + size * k]
+        rows = size if len(idx) >= size else len(idx)
+        full = len(idx) // rows * rows
+        for part in (idx[:full], idx[full:]):
+            if not len(part):
+                continue
+            rows = min(size, len(part))
+            item: tuple[Any, ...] = (
+                np.int64(rows),
+                np.array([recs.x_at(int(i)) for i in part], dtype=object).reshape(-1, rows),
+                recs.labels[part].reshape(-1, rows),
+            )
+            if text:
+                toks = [recs.tok_at(int(i)) for i in part]
+                splits = _offsets(np.array([len(t) for t in toks], np.int64))
+                item += (np.concatenate(toks) if toks else np.empty(0, np.int32), splits)
+            groups.append(item)
+    specs: tuple[Any, ...] = (
+        tf.TensorSpec([], tf.int64),
+        tf.TensorSpec([None, None], tf.string),
+        tf.TensorSpec([None, None], tf.int64),
+    )
     if text:
         specs += (tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int64))
 
-    def rebuild(*w: Any) -> dict[str, Any]:
+    def regroup(rows: Any, *w: Any) -> dict[str, Any]:
         out = {"x": w[0], "y": w[1]}
         if text:
-            out["tokens"] = tf.RaggedTensor.from_row_splits(w[2], w[3], validate=False)
+            flat = tf.RaggedTensor.from_row_splits(w[2], w[3], validate=False)
+            out["tokens"] = tf.RaggedTensor.from_uniform_row_length(flat, rows, validate=False)
         return out
 
     def make(passes: int) -> Any:
         def generate() -> Iterator[tuple[Any, ...]]:
             for _ in range(passes):
-                yield from batches
+                yield from groups
 
         ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-        return ds.map(rebuild).prefetch(tf.data.AUTOTUNE)
+        return ds.map(regroup).unbatch().prefetch(tf.data.AUTOTUNE)
 
     return _timed_tf_row(
         ctx,
         "b0",
-        f"(b)'s batches prepared in memory, handed over by from_generator ({case.batch_size})",
+        f"(b)'s batches prepared in memory, handed over as (b) does ({k} per call)",
         make,
         order,
         lambda p: np.tile(order, p),
