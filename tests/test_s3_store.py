@@ -510,3 +510,22 @@ def test_a_chunk_row_claiming_more_bytes_than_can_be_held_is_corrupt(
         stream = s3_store(tmp_path).open("ds", "1").stream(0, 1, shuffle=shuffle, seed=1)
         with pytest.raises(y.CorruptCacheError, match=r"c-.*000001: its manifest row gives"):
             read_all(stream)
+
+
+def test_an_inflated_count_of_zero_byte_records_is_refuted_promptly(
+    bucket: str, tmp_path: Path
+) -> None:
+    """No byte bound holds such a count: the look-ahead is capped, the chunk header refutes it."""
+    store = s3_store(tmp_path)
+    spec = {"v": y.ComponentSpec(shape=(0,), dtype="int64")}
+    store.cache("z", "1", lambda: [{"v": np.zeros(0, np.int64)}] * 100, spec=spec)
+    key = "z/1/manifest.json"
+    doc = json.loads(bytes(store.backend.get(key)))
+    doc["chunks"][-1]["count"] += 2**40
+    doc["num_records"] += 2**40
+    store.backend.delete(key)
+    store.backend.put(key, json.dumps(doc).encode())
+    stream = s3_store(tmp_path).open("z", "1").stream(0, 1, shuffle=False)
+    with pytest.raises(y.CorruptCacheError, match="chunk holds 100 records, manifest says"):
+        for _ in stream.batches(256):
+            pass

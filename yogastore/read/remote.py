@@ -93,6 +93,7 @@ __all__ = ["RemoteChunkSource", "coalesce"]
 
 logger = logging.getLogger(__name__)
 
+_MAX_HORIZON = 1 << 25  # records counted ahead, at most (8 chunks of 4 MiB of 1-byte records)
 _ATTEMPTS = 4  # fetches of one range before a mismatch or short read is reported
 
 
@@ -138,7 +139,9 @@ class RemoteChunkSource:
         self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._prep_pool: concurrent.futures.ThreadPoolExecutor | None = None
         mean = manifest.num_records / max(len(manifest.chunks), 1)
-        self._horizon = max(int(mean * self.options.horizon_chunks), 1)
+        # Capped: the horizon's records are indexed before any chunk is read, and only a
+        # manifest's counts say how many there are (a damaged one could claim 2**47).
+        self._horizon = max(min(int(mean * self.options.horizon_chunks), _MAX_HORIZON), 1)
         self._memory = max(
             self.options.memory_bytes,
             3 * self.options.horizon_chunks * max((c.nbytes for c in manifest.chunks), default=0),
