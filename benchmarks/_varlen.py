@@ -343,12 +343,10 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
     groups: list[tuple[Any, ...]] = []
     for start in range(0, len(order), size * k):
         idx = order[start : start + size * k]
-        rows = size if len(idx) >= size else len(idx)
-        full = len(idx) // rows * rows
-        for part in (idx[:full], idx[full:]):
+        full = len(idx) // size * size
+        for part, rows in ((idx[:full], size), (idx[full:], len(idx) - full)):
             if not len(part):
                 continue
-            rows = min(size, len(part))
             item: tuple[Any, ...] = (
                 np.int64(rows),
                 np.array([recs.x_at(int(i)) for i in part], dtype=object).reshape(-1, rows),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -91,3 +92,24 @@ def rank_worker(
     except BaseException:
         queue.put(("error", rank, traceback.format_exc(), None))
         raise
+
+
+def two_ranks(
+    store: y.Store, source: Any, attempt: str, dataset_id: str = "ds", **options: Any
+) -> list[y.DatasetRef]:
+    """Run ranks 0 and 1 of one attempt in threads; return their refs."""
+    refs: dict[int, y.DatasetRef] = {}
+    options.setdefault("spec", SPEC)
+
+    def rank(r: int) -> None:
+        refs[r] = store.cache_parallel(
+            dataset_id, "1", source, rank=r, num_ranks=2, attempt=attempt,
+            progress=y.NullProgress(), timeout=30, **options,
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [refs[0], refs[1]]

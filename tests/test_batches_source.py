@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 import yogastore as y
+from tests.parallel_support import two_ranks
 
 SPEC = {
     "id": y.ComponentSpec(shape=(), dtype="int64"),
@@ -156,20 +156,9 @@ def test_the_guards_count_the_records_of_batches(tmp_path: Path) -> None:
 
 def test_ranks_of_a_parallel_first_pass_take_every_other_batch(tmp_path: Path) -> None:
     """Two ranks (threads) split the batches by stride; the order depends on the rank count."""
-    store = y.Store(tmp_path)
-    refs: dict[int, y.DatasetRef] = {}
-
-    def rank(r: int) -> None:
-        refs[r] = store.cache_parallel(
-            "p", "1", lambda: y.Batches(batches(450, [100])), rank=r, num_ranks=2,
-            attempt="a", spec=SPEC, progress=y.NullProgress(), timeout=60,
-        )  # fmt: skip
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    refs = two_ranks(
+        y.Store(tmp_path), lambda: y.Batches(batches(450, [100])), "a", dataset_id="p", spec=SPEC
+    )
     assert refs[0].manifest.build_id == refs[1].manifest.build_id
     ids = read_back(refs[0])["id"]
     # Rank 0 holds batches 0, 2, 4; rank 1 batches 1, 3; parts follow rank order.

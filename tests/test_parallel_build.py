@@ -24,7 +24,15 @@ import pytest
 
 import yogastore as y
 from tests.backends.s3_support import shared_moto_bucket
-from tests.parallel_support import SPEC, blob, rank_worker, read_all, records, strided_order
+from tests.parallel_support import (
+    SPEC,
+    blob,
+    rank_worker,
+    read_all,
+    records,
+    strided_order,
+    two_ranks,
+)
 from yogastore.build.parallel import attempt_digest, held_rank_locks, intent_key
 
 CTX = multiprocessing.get_context("spawn")
@@ -175,27 +183,6 @@ def one_rank_times_out(store: y.Store, source: Any = None, **options: Any) -> No
             timeout=0.1,
             **options,
         )
-
-
-def two_ranks(
-    store: y.Store, source: Any, attempt: str, dataset_id: str = "ds", **options: Any
-) -> list[y.DatasetRef]:
-    """Run ranks 0 and 1 of one attempt in threads; return their refs."""
-    refs: dict[int, y.DatasetRef] = {}
-    options.setdefault("spec", SPEC)
-
-    def rank(r: int) -> None:
-        refs[r] = store.cache_parallel(
-            dataset_id, "1", source, rank=r, num_ranks=2, attempt=attempt,
-            progress=y.NullProgress(), timeout=30, **options,
-        )  # fmt: skip
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return [refs[0], refs[1]]
 
 
 def shifted(n: int, offset: int) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from storage_backends import check_key
 from storage_backends.errors import CorruptCacheError, InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.checks import check_int
@@ -135,6 +136,15 @@ def _check_counts_fit(chunks: list[ChunkInfo], schema: Schema, where: str) -> No
             )
 
 
+def _storage_name(name: str) -> bool:
+    """Whether ``name`` is one part of a storage key (``storage_backends.check_key``)."""
+    try:
+        check_key(name)
+    except InvalidArgumentError:
+        return False
+    return "/" not in name
+
+
 def _well_formed_rows(rows: list[Any], prefix: str) -> tuple[list[ChunkInfo], int] | None:
     """The chunk table and its record count when every row passes ``from_json``'s checks.
 
@@ -168,15 +178,7 @@ def _well_formed_rows(rows: list[Any], prefix: str) -> tuple[list[ChunkInfo], in
     ):
         return None
     cut = len(prefix)
-    if not all(
-        type(k) is str
-        and k.startswith(prefix)
-        and "/" not in k[cut:]
-        and k[cut:].isprintable()
-        and k[cut:] not in ("", ".", "..")
-        and "\\" not in k
-        for k in keys
-    ):
+    if not all(type(k) is str and k.startswith(prefix) and _storage_name(k[cut:]) for k in keys):
         return None
     digests = sums + index_sums
     if not all(type(d) is str and len(d) == 24 and d.startswith("xxh3_64:") for d in digests):
@@ -285,7 +287,7 @@ class Manifest:
             name = info.key[len(prefix) :]
             if not info.key.startswith(prefix) or "/" in name:
                 raise CorruptCacheError(f"{at}: chunk key {info.key!r} is outside {prefix!r}")
-            if name in ("", ".", "..") or not name.isprintable() or "\\" in name:
+            if not _storage_name(name):
                 raise CorruptCacheError(
                     f"{at}: chunk key {info.key!r} is not a storage key (printable, no "
                     "backslash, not '.' or '..')"
