@@ -13,8 +13,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(STAMP_RUN): pyproject.toml yogastore/_gather.c | $(PY)
+# The TensorFlow kernel (yogastore/train/tf_ops.py) is compiled against the installed TensorFlow.
+$(STAMP_RUN): pyproject.toml yogastore/_gather.c yogastore/_tfops.cc | $(PY)
 	$(PIP) install -q -e '.[tf,s3]'
+	$(PY) -m yogastore.train.tf_ops
 	touch $@
 
 # The tests run the benchmark on a tiny size, its peers (Grain, ArrayRecord) included.

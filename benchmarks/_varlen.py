@@ -325,17 +325,21 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
     """(b0) (b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
 
     No reading, no checks, the same hand-over as (b): ``k`` batches per Python call (about
-    8 MiB) as ``[k, batch]`` arrays of ``bytes`` (ragged tokens as values and row splits
-    of ``k * batch`` rows, regrouped in the graph), split by ``unbatch``. What any reader
-    that hands Python-held bytes to tf.data this way pays, so (b0)/(a) bounds (b)/(a).
+    8 MiB), strings as one byte buffer plus offsets cut by the library's TensorFlow kernel
+    in a parallel map (as ``[k, batch]`` arrays of ``bytes`` when the kernel is not built),
+    ragged tokens as values and row splits of ``k * batch`` rows, regrouped in the graph,
+    split by ``unbatch``. What any reader that hands Python-held bytes to tf.data this way
+    pays, so (b0)/(a) bounds (b)/(a).
     """
     import tensorflow as tf
 
+    from yogastore.train import tf_ops
     from yogastore.train.tf_read import _GROUP_BYTES, _MAX_GROUP
 
     case = ctx.case
     text = case.kind == "text"
     recs = ctx.recs
+    kernel = tf_ops.load()
     size = case.batch_size
     order = stream_indices(ctx.ref, case, 1)
     per_record = ctx.ref.manifest.nbytes / max(1, ctx.ref.num_records)
@@ -347,28 +351,39 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
         for part, rows in ((idx[:full], size), (idx[full:], len(idx) - full)):
             if not len(part):
                 continue
-            item: tuple[Any, ...] = (
-                np.int64(rows),
-                np.array([recs.x_at(int(i)) for i in part], dtype=object).reshape(-1, rows),
-                recs.labels[part].reshape(-1, rows),
+            xs = [recs.x_at(int(i)) for i in part]
+            x: tuple[Any, ...] = (
+                (np.frombuffer(b"".join(xs), np.uint8), _offsets(np.array([len(v) for v in xs])))
+                if kernel is not None
+                else (np.array(xs, dtype=object).reshape(-1, rows),)
             )
+            item: tuple[Any, ...] = (np.int64(rows), *x, recs.labels[part].reshape(-1, rows))
             if text:
                 toks = [recs.tok_at(int(i)) for i in part]
                 splits = _offsets(np.array([len(t) for t in toks], np.int64))
                 item += (np.concatenate(toks) if toks else np.empty(0, np.int32), splits)
             groups.append(item)
+    x_specs = (
+        (tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.int64))
+        if kernel is not None
+        else (tf.TensorSpec([None, None], tf.string),)
+    )
     specs: tuple[Any, ...] = (
         tf.TensorSpec([], tf.int64),
-        tf.TensorSpec([None, None], tf.string),
+        *x_specs,
         tf.TensorSpec([None, None], tf.int64),
     )
     if text:
         specs += (tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int64))
 
     def regroup(rows: Any, *w: Any) -> dict[str, Any]:
-        out = {"x": w[0], "y": w[1]}
+        if kernel is not None:
+            x, w = tf.reshape(tf_ops.split_bytes(w[0], w[1]), [-1, rows]), w[2:]
+        else:
+            x, w = w[0], w[1:]
+        out = {"x": x, "y": w[0]}
         if text:
-            flat = tf.RaggedTensor.from_row_splits(w[2], w[3], validate=False)
+            flat = tf.RaggedTensor.from_row_splits(w[1], w[2], validate=False)
             out["tokens"] = tf.RaggedTensor.from_uniform_row_length(flat, rows, validate=False)
         return out
 
@@ -378,7 +393,9 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
                 yield from groups
 
         ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-        return ds.map(regroup).unbatch().prefetch(tf.data.AUTOTUNE)
+        calls = tf.data.AUTOTUNE if kernel is not None else None
+        ds = ds.map(regroup, num_parallel_calls=calls, deterministic=True)
+        return ds.unbatch().prefetch(tf.data.AUTOTUNE)
 
     return _timed_tf_row(
         ctx,

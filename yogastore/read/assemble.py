@@ -136,7 +136,7 @@ def batch_components(
     return out
 
 
-def _slice_rows(values: Any, start: int, stop: int) -> Any:
+def slice_rows(values: Any, start: int, stop: int) -> Any:
     """Rows ``[start, stop)`` of an array or a ``StringBuffer`` (along the first dimension)."""
     if not isinstance(values, StringBuffer):
         return values[start:stop]
@@ -162,10 +162,10 @@ def slice_batch(schema: Schema, comps: Sequence[Any], start: int, stop: int) -> 
     out: list[Any] = []
     for comp, value in zip(schema.components, comps, strict=True):
         if comp.kind is Kind.TENSOR:
-            out.append(_slice_rows(value, start, stop))
+            out.append(slice_rows(value, start, stop))
             continue
         splits = value.nested_row_splits[0]
         a, b = int(splits[start]), int(splits[stop])
-        flat = _slice_rows(value.flat_values, a, b)
+        flat = slice_rows(value.flat_values, a, b)
         out.append(RaggedValue(flat, (splits[start : stop + 1] - splits[start],)))
     return out

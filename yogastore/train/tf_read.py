@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from yogastore.read.assemble import batch_components, element_components
+from yogastore.format.batch import StringBuffer, StringFormat
+from yogastore.read.assemble import batch_components, element_components, slice_rows
 from yogastore.read.stream import Stream, fixed_numeric, splittable
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, row_bytes
+from yogastore.train import tf_ops
 from yogastore.train.tf_spec import tf_dtype
 
 __all__ = ["record_dataset", "to_tf_dataset"]
@@ -204,29 +206,44 @@ def _grouped_dataset(
         k = 1  # a subclass may give batches a meaning of their own (steps, padding)
     static = size if drop_remainder else None
     comps = schema.components
+    # With the kernel, strings cross as bytes + offsets (see tf_ops) instead of object arrays.
+    kernel = tf_ops.load()
+    strings = StringFormat.BUFFERS if kernel is not None else StringFormat.OBJECTS
+    buffers = [kernel is not None and c.dtype == "string" for c in comps]
+    byte_specs = [tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.int64)]
     specs: list[tf.TensorSpec] = [tf.TensorSpec([], tf.int64)]  # rows per batch
-    for c in comps:
+    for c, buf in zip(comps, buffers, strict=True):
         dtype = tf_dtype(c.dtype)
         if c.kind is Kind.TENSOR:
-            specs.append(tf.TensorSpec([None, None, *c.shape], dtype))
+            specs += byte_specs if buf else [tf.TensorSpec([None, None, *c.shape], dtype)]
         else:
             splits = tf.as_dtype(c.row_splits_dtype)
-            specs += [tf.TensorSpec([None, *c.shape[1:]], dtype), tf.TensorSpec([None], splits)]
+            flat = byte_specs if buf else [tf.TensorSpec([None, *c.shape[1:]], dtype)]
+            specs += [*flat, tf.TensorSpec([None], splits)]
+
+    def flat_wire(values: Any) -> list[Any]:
+        if isinstance(values, StringBuffer):
+            return [values.data, values.offsets]
+        return [values]
 
     def wire(arrays: list[Any], start: int, stop: int, rows: int) -> tuple[Any, ...]:
         out: list[Any] = [np.int64(rows)]
         for c, a in zip(comps, arrays, strict=True):
             if c.kind is Kind.TENSOR:
-                part = a[start:stop]
-                out.append(part.reshape(len(part) // rows, rows, *part.shape[1:]))
+                part = slice_rows(a, start, stop)
+                if isinstance(part, StringBuffer):
+                    out += flat_wire(part)
+                else:
+                    out.append(part.reshape(len(part) // rows, rows, *part.shape[1:]))
             else:
                 sp = a.nested_row_splits[0]
-                out += [a.flat_values[sp[start] : sp[stop]], sp[start : stop + 1] - sp[start]]
+                out += flat_wire(slice_rows(a.flat_values, int(sp[start]), int(sp[stop])))
+                out.append(sp[start : stop + 1] - sp[start])
         return tuple(out)
 
     def generate() -> Iterator[tuple[Any, ...]]:
         for _records, cols in stream.column_batches(size * k):
-            arrays = batch_components(schema, cols, where)
+            arrays = batch_components(schema, cols, where, strings)
             del cols
             n = (
                 len(arrays[0])
@@ -243,24 +260,37 @@ def _grouped_dataset(
     def regroup(rows: Any, *w: Any) -> Any:
         out: list[Any] = []
         i = 0
-        for c in comps:
-            if c.kind is Kind.TENSOR:
-                t = w[i]
-                t.set_shape([None, static, *c.shape])
-                out.append(t)
+        for c, buf in zip(comps, buffers, strict=True):
+            if buf:  # bytes + offsets: the kernel makes the strings
+                values = tf_ops.split_bytes(w[i], w[i + 1])
+                i += 2
+            else:
+                values = w[i]
                 i += 1
+            if c.kind is Kind.TENSOR:
+                if buf:
+                    values = tf.reshape(values, [-1, rows, *c.shape])
+                values.set_shape([None, static, *c.shape])
+                out.append(values)
                 continue
-            flat = tf.RaggedTensor.from_row_splits(w[i], w[i + 1], validate=False)
+            if buf and len(c.shape) > 1:
+                values = tf.reshape(values, [-1, *c.shape[1:]])
+            flat = tf.RaggedTensor.from_row_splits(values, w[i], validate=False)
             rt = tf.RaggedTensor.from_uniform_row_length(
                 flat, tf.cast(rows, flat.row_splits.dtype), validate=False
             )
             rt._set_shape([None, static, *c.shape])  # restores the static dims tf.data expects
             out.append(rt)
-            i += 2
+            i += 1
         return schema.pack(out)
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=tuple(specs))
-    ds = ds.map(tf.autograph.experimental.do_not_convert(regroup)).unbatch()
+    regroup_fn = tf.autograph.experimental.do_not_convert(regroup)  # plain graph code
+    if any(buffers):  # the kernel's copies run on tf.data threads, beside the generator
+        ds = ds.map(regroup_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    else:
+        ds = ds.map(regroup_fn)
+    ds = ds.unbatch()
     return _finish(ds, row_bytes(schema) * size)
 
 

@@ -1,0 +1,109 @@
+"""The read bridge's TensorFlow kernel: strings made from one buffer plus offsets.
+
+``yogastore/_tfops.cc`` defines ``YogastoreSplitBytes``: string ``i`` of a
+batch is ``values[offsets[i]:offsets[i + 1]]``, each bounds-checked and
+copied once, in a ``tf.data`` thread. With it a batch of strings crosses from
+Python to ``tf.data`` as two arrays (no Python object per string) and the
+copies into TensorFlow strings run beside the reading thread instead of after
+it. Without it ``to_tf_dataset`` hands strings over as numpy object arrays,
+with the same results.
+
+The kernel is compiled against the installed TensorFlow's headers (a C++
+compiler is needed; ``make demo`` and ``make test`` build it)::
+
+    python -m yogastore.train.tf_ops
+
+It is written next to this package as ``_tfops-<TensorFlow version>-<source
+hash>.so``, so a library built for another TensorFlow or another source is
+never loaded. ``YOGASTORE_TF_OPS=0`` switches the kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = ["build", "library_path", "load", "split_bytes"]
+
+_SOURCE = Path(__file__).resolve().parent.parent / "_tfops.cc"
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+def library_path() -> Path:
+    """Return where the kernel for this TensorFlow and this source lives (built or not)."""
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    return _SOURCE.with_name(f"_tfops-{tf.__version__}-{digest}.so")
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel for the installed TensorFlow; return the library's path.
+
+    The library is written to a temporary file and renamed into place, so
+    processes building at once never load a partial file.
+
+    Raises:
+        RuntimeError: no compiler, or compiling failed (its output is in the message).
+    """
+    target = library_path()
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX", "g++")
+    flags = [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
+    fd, tmp = tempfile.mkstemp(prefix=".tfops-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, "-shared", "-fPIC", "-O2", "-w", str(_SOURCE), "-o", tmp, *flags]
+    if verbose:
+        print(shlex.join(cmd), file=sys.stderr)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as err:
+        os.unlink(tmp)
+        raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {err}") from err
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(
+            f"compiling {_SOURCE.name} failed ({shlex.join(cmd)}):\n{done.stderr[-4000:]}"
+        )
+    os.replace(tmp, target)
+    return target
+
+
+def load() -> Any | None:
+    """Return the loaded kernel module, or ``None`` when it is not built or switched off."""
+    if os.environ.get("YOGASTORE_TF_OPS", "1") == "0":
+        return None
+    path = library_path()
+    key = str(path)
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = tf.load_op_library(key) if path.exists() else None
+        return _loaded[key]
+
+
+def split_bytes(values: Any, offsets: Any) -> tf.Tensor:
+    """Return ``values[offsets[i]:offsets[i + 1]]`` as a string tensor (the kernel must be built).
+
+    Raises:
+        RuntimeError: the kernel is not built or switched off.
+        tf.errors.InvalidArgumentError: offsets decrease or run past ``values``.
+    """
+    ops = load()
+    if ops is None:
+        raise RuntimeError(
+            "the yogastore TensorFlow kernel is not built: run python -m yogastore.train.tf_ops"
+        )
+    return ops.yogastore_split_bytes(values, offsets)
+
+
+if __name__ == "__main__":
+    print(build(verbose="-v" in sys.argv[1:]))
