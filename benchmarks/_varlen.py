@@ -6,6 +6,7 @@ Rows of one case, side by side on the same records:
 (a)  ``TFRecordDataset`` sequential, batched, ``parse_example``;
 (e3) ``TFRecordDataset.shard(4, 0).shuffle(10000)``, batched, parsed (what users do today);
 (b)  ``stream(shuffle, 4 shards).to_tf_dataset(256)``;
+(b1) (b) with the library's string kernel switched off (strings as arrays of ``bytes``);
 (b0) (b)'s batches prepared in memory beforehand and handed to tf.data by ``from_generator``
      as (b) hands them over (no read: the ceiling of that hand-over);
 (c)  ``Stream.batches(256, strings=StringFormat.BUFFERS)`` (bytes + offsets);
@@ -74,6 +75,15 @@ class Records:
         return int(
             self.x.nbytes + self.labels.nbytes + (0 if self.tok is None else self.tok.nbytes)
         )
+
+
+def _aligned_bytes(data: bytes, align: int = 64) -> np.ndarray:
+    """``data`` copied into a uint8 array starting on an ``align``-byte boundary."""
+    raw = np.empty(len(data) + align, np.uint8)
+    start = -int(raw.__array_interface__["data"][0]) % align
+    out = raw[start : start + len(data)]
+    out[:] = np.frombuffer(data, np.uint8)
+    return out
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -321,12 +331,39 @@ def stream_tf_row(ctx: VarContext, key: str = "b") -> dict[str, Any]:
     )
 
 
+def stream_tf_objects_row(ctx: VarContext) -> dict[str, Any]:
+    """(b1) (b) with the string kernel switched off: strings cross as arrays of ``bytes``."""
+    case = ctx.case
+
+    def make(p: int) -> Any:
+        before = os.environ.get("YOGASTORE_TF_OPS")
+        os.environ["YOGASTORE_TF_OPS"] = "0"  # read when the dataset is made
+        try:
+            return _stream(ctx, p).to_tf_dataset(batch_size=case.batch_size)
+        finally:
+            if before is None:
+                del os.environ["YOGASTORE_TF_OPS"]
+            else:
+                os.environ["YOGASTORE_TF_OPS"] = before
+
+    return _timed_tf_row(
+        ctx,
+        "b1",
+        "(b) without the string kernel (YOGASTORE_TF_OPS=0)",
+        make,
+        stream_indices(ctx.ref, case, 1),
+        lambda p: stream_indices(ctx.ref, case, p),
+        note="strings as numpy arrays of bytes",
+    )
+
+
 def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
     """(b0) (b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
 
     No reading, no checks, the same hand-over as (b): ``k`` batches per Python call (about
-    8 MiB), strings as one byte buffer plus offsets cut by the library's TensorFlow kernel
-    in a parallel map (as ``[k, batch]`` arrays of ``bytes`` when the kernel is not built),
+    8 MiB), strings as one aligned byte buffer (wrapped by TensorFlow, not copied) plus
+    starts and lengths, cut by the library's TensorFlow kernel in a parallel map (as
+    ``[k, batch]`` arrays of ``bytes`` when the kernel is not built),
     ragged tokens as values and row splits of ``k * batch`` rows, regrouped in the graph,
     split by ``unbatch``. What any reader that hands Python-held bytes to tf.data this way
     pays, so (b0)/(a) bounds (b)/(a).
@@ -352,11 +389,12 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
             if not len(part):
                 continue
             xs = [recs.x_at(int(i)) for i in part]
-            x: tuple[Any, ...] = (
-                (np.frombuffer(b"".join(xs), np.uint8), _offsets(np.array([len(v) for v in xs])))
-                if kernel is not None
-                else (np.array(xs, dtype=object).reshape(-1, rows),)
-            )
+            x: tuple[Any, ...]
+            if kernel is not None:
+                offsets = _offsets(np.array([len(v) for v in xs], np.int64))
+                x = (_aligned_bytes(b"".join(xs)), offsets[:-1], np.diff(offsets))
+            else:
+                x = (np.array(xs, dtype=object).reshape(-1, rows),)
             item: tuple[Any, ...] = (np.int64(rows), *x, recs.labels[part].reshape(-1, rows))
             if text:
                 toks = [recs.tok_at(int(i)) for i in part]
@@ -364,7 +402,7 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
                 item += (np.concatenate(toks) if toks else np.empty(0, np.int32), splits)
             groups.append(item)
     x_specs = (
-        (tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.int64))
+        (tf.TensorSpec([None], tf.uint8), *[tf.TensorSpec([None], tf.int64)] * 2)
         if kernel is not None
         else (tf.TensorSpec([None, None], tf.string),)
     )
@@ -378,7 +416,7 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
 
     def regroup(rows: Any, *w: Any) -> dict[str, Any]:
         if kernel is not None:
-            x, w = tf.reshape(tf_ops.split_bytes(w[0], w[1]), [-1, rows]), w[2:]
+            x, w = tf.reshape(tf_ops.gather_bytes(w[0], w[1], w[2]), [-1, rows]), w[3:]
         else:
             x, w = w[0], w[1:]
         out = {"x": x, "y": w[0]}

@@ -240,6 +240,7 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
     steps: list[tuple[str, str, Any]] = [
         ("a", "TFRecord", lambda: _varlen.tfrecord_rows(ctx)),
         ("b", "stream -> tf.data", lambda: [_varlen.stream_tf_row(ctx)]),
+        ("b1", "stream -> tf.data, no kernel", lambda: [_varlen.stream_tf_objects_row(ctx)]),
         ("b0", "from_generator ceiling", lambda: [_varlen.generator_ceiling_row(ctx)]),
         ("c", "stream.batches", lambda: _varlen.stream_numpy_rows(ctx)),
         ("d", "memory gather", lambda: [_varlen.memory_gather_row(ctx)]),

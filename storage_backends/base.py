@@ -234,6 +234,16 @@ class Backend(abc.ABC):
             return f"{type(self).__name__} declares coordinated = False"
         return None
 
+    def mapped_file(self, key: str) -> tuple[str, int, int, int] | None:
+        """Where views read earlier from where ``key`` lives are mapped, or ``None``.
+
+        Backends returning memory-mapped views return the file's path, device,
+        inode and the size it must keep for those views to stay readable, so a
+        reader outside this process's Python (a TensorFlow kernel) can make the
+        check ``check_mapped`` makes. Others return ``None``.
+        """
+        return None
+
     def check_mapped(self, key: str) -> None:
         """Raise if buffers read earlier from where ``key`` lives can no longer be read.
 

@@ -377,6 +377,11 @@ class _Env:
         except UnicodeDecodeError:
             raise _corrupt(self.path, f"key {key!r} is not UTF-8") from None
 
+    def file_guard(self) -> tuple[str, int, int, int]:
+        """Return the data file's path, device, inode and the size it must keep (``seen``)."""
+        st = os.fstat(self.fd)
+        return str(self.path / _DATA_FILE), st.st_dev, st.st_ino, self.seen
+
     def check_mapped(self) -> None:
         """Raise ``CorruptCacheError`` if views of this file could no longer be read."""
         st = os.fstat(self.fd)  # lock-free: ``seen`` only grows
@@ -604,6 +609,11 @@ class LmdbBackend(Backend):
         entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
         if entry is not None:
             entry.extra.check_mapped()
+
+    def mapped_file(self, key: str) -> tuple[str, int, int, int] | None:
+        directory = key.rpartition("/")[0]
+        entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
+        return None if entry is None else entry.extra.file_guard()
 
     def _will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> bool:
         directory, _, name = key.rpartition("/")

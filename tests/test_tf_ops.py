@@ -1,8 +1,7 @@
-"""The TensorFlow kernel of the read bridge: strings cut from bytes + offsets in tf.data."""
+"""The TensorFlow kernel of the read bridge: strings cut from bytes + ranges in tf.data."""
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -57,38 +56,38 @@ def test_the_kernel_is_built() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_split_bytes_cuts_exact_strings(seed: int) -> None:
+def test_gather_bytes_cuts_exact_strings(seed: int) -> None:
     rng = np.random.default_rng(seed)
+    values = rng.integers(0, 256, int(rng.integers(0, 100_000)), dtype=np.uint8)
     n = int(rng.integers(0, 600))
-    lengths = rng.integers(0, 3000, n) * (rng.random(n) < 0.8)  # a fifth are empty
-    first = int(rng.integers(0, 50))
-    offsets = first + np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    values = rng.integers(0, 256, int(offsets[-1]) + int(rng.integers(0, 9)), dtype=np.uint8)
-    got = tf_ops.split_bytes(values, offsets).numpy().tolist()
-    assert got == [values[a:b].tobytes() for a, b in itertools.pairwise(offsets)]
+    starts = rng.integers(0, len(values) + 1, n)
+    lengths = rng.integers(0, len(values) + 1 - starts) * (rng.random(n) < 0.8)  # some empty
+    got = tf_ops.gather_bytes(values, starts, lengths).numpy().tolist()
+    assert got == [values[s : s + k].tobytes() for s, k in zip(starts, lengths, strict=True)]
 
 
-def test_split_bytes_of_no_strings() -> None:
-    out = tf_ops.split_bytes(np.zeros(0, np.uint8), np.zeros(1, np.int64))
+def test_gather_bytes_of_no_strings() -> None:
+    out = tf_ops.gather_bytes(np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64))
     assert out.shape == (0,) and out.dtype == tf.string
 
 
 @pytest.mark.parametrize(
-    ("values", "offsets", "message"),
+    ("values", "starts", "lengths", "message"),
     [
-        (np.zeros(10, np.uint8), [0, 4, 3], r"offsets\[2\] = 3 is below offsets\[1\] = 4"),
-        (np.zeros(10, np.uint8), [0, 11], r"offsets\[1\] = 11 .* past the 10 bytes"),
-        (np.zeros(10, np.uint8), [-1, 2], r"offsets\[0\] = -1 is outside the 10 bytes"),
-        (np.zeros(10, np.uint8), [11], r"offsets\[0\] = 11 is outside"),
-        (np.zeros(10, np.uint8), [], "at least one element"),
-        (np.zeros((2, 5), np.uint8), [0, 1], "rank 1|must be a vector"),
+        (np.zeros(10, np.uint8), [0, 4], [4, 7], r"range 1 \(start 4, length 7\) lies outside"),
+        (np.zeros(10, np.uint8), [-1], [2], r"range 0 \(start -1, length 2\)"),
+        (np.zeros(10, np.uint8), [3], [-1], r"range 0 \(start 3, length -1\)"),
+        (np.zeros(10, np.uint8), [11], [0], r"start 11, length 0\) lies outside the 10 bytes"),
+        (np.zeros(10, np.uint8), [2**62], [2**62], r"start 4611686018427387904"),
+        (np.zeros(10, np.uint8), [0, 1], [1], "one length|Dimensions must be equal"),
+        (np.zeros((2, 5), np.uint8), [0], [1], "rank 1|must be a vector"),
     ],
 )
-def test_split_bytes_refuses_bad_offsets(
-    values: np.ndarray, offsets: list[int], message: str
+def test_gather_bytes_refuses_ranges_outside(
+    values: np.ndarray, starts: list[int], lengths: list[int], message: str
 ) -> None:
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
-        tf_ops.split_bytes(values, np.array(offsets, np.int64))
+        tf_ops.gather_bytes(values, np.array(starts, np.int64), np.array(lengths, np.int64))
 
 
 def _elements(ds: tf.data.Dataset) -> list[dict[str, Any]]:
@@ -136,3 +135,131 @@ def test_build_writes_the_library_once(tmp_path: Path) -> None:
     assert tf_ops.build() == path and path.stat().st_mtime_ns == before
     leftovers = [p for p in path.parent.iterdir() if p.name.startswith(".tfops-")]
     assert leftovers == []
+
+
+def test_local_strings_cross_as_a_view_of_the_chunks(ref: yogastore.DatasetRef) -> None:
+    stream = ref.stream(shuffle=True, seed=2)
+    assert stream.strings_in_place()
+    for batch in stream.batches(64, strings=yogastore.StringFormat.RANGES):
+        s = batch["s"]
+        assert isinstance(s, yogastore.StringRanges) and not s.data.flags.writeable
+        assert s.data.__array_interface__["data"][0] % 64 == 0  # wrapped by TF, not copied
+        assert s.to_numpy().tolist() == [RECORDS[i]["s"] for i in batch["label"]]
+
+
+def test_the_dataset_outlives_its_stream_and_store(tmp_path: Path) -> None:
+    # The strings' bytes are read by the kernel after the generator yields: the
+    # arrays handed over keep the mapped chunks alive, whatever the caller drops.
+    import gc
+
+    store = yogastore.Store(tmp_path, chunk_bytes=1024)
+    ds = store.cache("ops", "1", _source).stream(shuffle=True, seed=4).to_tf_dataset(40)
+    del store
+    gc.collect()
+    got = _elements(ds)
+    gc.collect()
+    assert got == _elements(ds)
+    assert sorted(i for b in got for i in b["label"]) == list(range(N))
+    for b in got:
+        assert b["s"] == [RECORDS[i]["s"] for i in b["label"]]
+
+
+class _Steps(yogastore.Stream):
+    """A stream whose batches are its own (here: the same records, through an override)."""
+
+    def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Any:
+        yield from super().column_batches(batch_size, drop_remainder)
+
+
+def test_a_stream_subclass_gets_copied_strings(ref: yogastore.DatasetRef) -> None:
+    base = ref.stream(shuffle=True, seed=6)
+    stream = ref.stream(shuffle=True, seed=6)
+    stream.__class__ = _Steps  # as tests/test_batch_groups.py does
+    assert not stream.strings_in_place() and base.strings_in_place()
+    assert _elements(stream.to_tf_dataset(32)) == _elements(base.to_tf_dataset(32))
+
+
+def test_without_the_kernel_strings_still_cross_and_it_says_so_once(
+    ref: yogastore.DatasetRef,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    expected = _elements(ref.stream(shuffle=True, seed=8).to_tf_dataset(16))  # with the kernel
+    monkeypatch.setattr(tf_ops, "library_path", lambda: tmp_path / "_tfops-missing.so")
+    monkeypatch.setattr(tf_ops, "_warned", [])
+    with caplog.at_level("WARNING", logger="yogastore.train.tf_ops"):
+        first = _elements(ref.stream(shuffle=True, seed=8).to_tf_dataset(16))
+        second = _elements(ref.stream(shuffle=True, seed=8).to_tf_dataset(16))
+    assert first == second == expected
+    said = [r.getMessage() for r in caplog.records if "kernel is not built" in r.getMessage()]
+    assert len(said) == 1 and "python -m yogastore.train.tf_ops" in said[0]
+
+
+def test_gather_bytes_fails_on_a_file_that_shrank(tmp_path: Path) -> None:
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(b"x" * 100)
+    st = path.stat()
+    values, starts, lengths = np.zeros(8, np.uint8), np.array([0], np.int64), np.array([4])
+    ok = tf_ops.gather_bytes(values, starts, lengths, str(path), [st.st_dev, st.st_ino, 100])
+    assert ok.numpy().tolist() == [b"\0" * 4]
+    with pytest.raises(tf.errors.DataLossError, match="shrank from 200 to 100 bytes"):
+        tf_ops.gather_bytes(values, starts, lengths, str(path), [st.st_dev, st.st_ino, 200])
+    # Another file at the path (the mapped one was replaced): its pages stay readable.
+    other = [st.st_dev, st.st_ino + 1, 200]
+    assert tf_ops.gather_bytes(values, starts, lengths, str(path), other).shape == (1,)
+    assert tf_ops.gather_bytes(values, starts, lengths, str(tmp_path / "gone"), other).shape == (1,)
+
+
+# A data file truncated by another process while strings are handed to tf.data in place:
+# an error from the reader or the kernel, never SIGBUS (the process must live to report).
+TRUNCATED = """
+import json, os, sys, time
+import numpy as np, tensorflow as tf, yogastore
+from yogastore.train import tf_ops
+root = sys.argv[1]
+ref = yogastore.Store(root).open("ops", "1")
+data = os.path.join(root, "ops", "1", "data.mdb")
+out = {}
+stream = ref.stream(shuffle=True, seed=1)
+next(stream.batches(64, strings=yogastore.StringFormat.RANGES))
+_path, dev, ino, size = stream.source.mapped_file()
+it = iter(ref.stream(shuffle=True, seed=1, num_epochs=20).to_tf_dataset(16))
+next(it)
+time.sleep(1)  # the pipeline fills its buffers and waits
+os.truncate(data, 4096)
+try:
+    # (Bytes of no file: converting s.data eagerly would copy, reading the truncated pages.)
+    tf_ops.gather_bytes(np.zeros(8, np.uint8), [0], [4], data, [dev, ino, size])
+    out["kernel"] = "no error"
+except tf.errors.DataLossError as err:
+    out["kernel"] = err.message
+try:
+    for _ in it:
+        pass
+    out["dataset"] = "no error"
+except (tf.errors.OpError, yogastore.YogaStoreError) as err:
+    out["dataset"] = str(err)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+def test_truncated_under_tf_data_is_an_error_not_sigbus(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    store = yogastore.Store(tmp_path, chunk_bytes=1024)
+    store.cache("ops", "1", _source)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRUNCATED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert "shrank from" in out["kernel"] and "data.mdb" in out["kernel"]
+    assert "shrank" in out["dataset"], out["dataset"]

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import yogastore
-from yogastore import StringBuffer, StringFormat
+from yogastore import StringBuffer, StringFormat, StringRanges
 from yogastore._gather import gather_ranges, split_bytes
 from yogastore.format import ChunkBuilder, ChunkView, ColumnSpec
 from yogastore.format.memory import VarRows, _segments
@@ -65,6 +65,14 @@ def _check_numpy_batch(batch: dict[str, Any], strings: StringFormat) -> list[int
         assert isinstance(words.flat_values, StringBuffer)
         s_list = [s.data[a:b].tobytes() for a, b in zip(s.offsets[:-1], s.offsets[1:], strict=True)]
         assert s_list == list(s.to_numpy())
+        flat_words = list(words.flat_values.to_numpy())
+    elif strings is StringFormat.RANGES:
+        # Left where they lie: a read-only view of the stored chunks, not a copy.
+        assert isinstance(s, StringRanges) and s.shape == (len(labels),)
+        assert not s.data.flags.writeable and s.starts.dtype == np.int64
+        assert isinstance(words.flat_values, StringRanges)
+        s_list = [s.data[a : a + k].tobytes() for a, k in zip(s.starts, s.lengths, strict=True)]
+        assert s_list == list(s.to_numpy()) == list(s.to_buffer().to_numpy())
         flat_words = list(words.flat_values.to_numpy())
     else:
         assert s.dtype == object and s.shape == (len(labels),)

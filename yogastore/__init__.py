@@ -27,7 +27,7 @@ from storage_backends.errors import (
 from storage_backends.s3_options import Coordination
 from yogastore.build.batches import Batches
 from yogastore.build.progress import NullProgress, Progress
-from yogastore.format import StringBuffer, StringFormat
+from yogastore.format import StringBuffer, StringFormat, StringRanges
 from yogastore.queue.jobs import (
     QueueJob,
     QueueJobNotFoundError,
@@ -80,6 +80,7 @@ __all__ = [
     "Stream",
     "StreamState",
     "StringBuffer",
+    "StringRanges",
     "StringFormat",
     "UnsupportedElementError",
     "WorkQueue",

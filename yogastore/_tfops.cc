@@ -1,11 +1,15 @@
 // TensorFlow kernel of the read bridge (yogastore/train/tf_ops.py builds and loads it).
 //
-// YogastoreSplitBytes: strings [n] from one uint8 buffer and n + 1 byte offsets,
-// string i being values[offsets[i]:offsets[i + 1]]. A batch of strings crosses
-// from Python as two arrays; this kernel makes the strings in a tf.data thread,
-// with one bounds-checked copy each and no Python object per string.
+// YogastoreGatherBytes: strings [n] cut from one uint8 buffer, string i being
+// values[starts[i]:starts[i] + lengths[i]]. A batch of strings crosses from
+// Python as arrays (the buffer may be a read-only view of the mapped chunks,
+// handed over without a copy); this kernel makes the strings in a tf.data
+// thread, with one bounds-checked copy each and no Python object per string.
+
+#include <sys/stat.h>
 
 #include <cstring>
+#include <string>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -22,66 +26,97 @@ using ::tensorflow::TensorShapeUtils;
 using ::tensorflow::tstring;
 namespace shape_inference = ::tensorflow::shape_inference;
 
-REGISTER_OP("YogastoreSplitBytes")
+REGISTER_OP("YogastoreGatherBytes")
     .Input("values: uint8")
-    .Input("offsets: int64")
+    .Input("starts: int64")
+    .Input("lengths: int64")
+    .Input("file: string")
+    .Input("file_guard: int64")
     .Output("strings: string")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle values;
-      shape_inference::ShapeHandle offsets;
+      shape_inference::ShapeHandle starts;
+      shape_inference::ShapeHandle lengths;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &values));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &offsets));
-      shape_inference::DimensionHandle n;
-      shape_inference::DimensionHandle bounds = c->Dim(offsets, 0);
-      if (c->ValueKnown(bounds)) {
-        if (c->Value(bounds) < 1) {
-          return absl::InvalidArgumentError("offsets must hold at least one element");
-        }
-        n = c->MakeDim(c->Value(bounds) - 1);
-      } else {
-        n = c->UnknownDim();
-      }
-      c->set_output(0, c->Vector(n));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &starts));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &lengths));
+      TF_RETURN_IF_ERROR(c->Merge(starts, lengths, &starts));
+      shape_inference::ShapeHandle file;
+      shape_inference::ShapeHandle guard;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &file));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &guard));
+      c->set_output(0, starts);
       return absl::OkStatus();
     })
-    .Doc("Strings values[offsets[i]:offsets[i + 1]] for i < len(offsets) - 1.");
+    .Doc(R"doc(Strings values[starts[i]:starts[i] + lengths[i]], one per start.
 
-class SplitBytesOp : public OpKernel {
+When values maps a file (a read-only view of a local store's chunks), file
+names it and file_guard holds its device, inode and the size it must keep. A
+file that shrank since would kill the process on a read (SIGBUS), so the
+kernel fails instead. An empty file name skips the check.)doc");
+
+// The mapped file, if any, must not have shrunk below what was read from it.
+absl::Status CheckFile(const Tensor& file, const Tensor& guard) {
+  if (!TensorShapeUtils::IsScalar(file.shape()) || guard.NumElements() != 3) {
+    return absl::InvalidArgumentError("file must be a scalar and file_guard hold 3 values");
+  }
+  const std::string path(file.scalar<tstring>()());
+  if (path.empty()) return absl::OkStatus();
+  const int64_t* g = guard.flat<int64_t>().data();
+  struct stat st;
+  // A file no longer at its path, or another file there: the mapped one was
+  // deleted or replaced, and its pages stay readable.
+  if (stat(path.c_str(), &st) != 0 || static_cast<int64_t>(st.st_dev) != g[0] ||
+      static_cast<int64_t>(st.st_ino) != g[1] || st.st_nlink == 0) {
+    return absl::OkStatus();
+  }
+  if (static_cast<int64_t>(st.st_size) < g[2]) {
+    return absl::DataLossError(absl::StrCat(
+        path, ": the file shrank from ", g[2], " to ", static_cast<int64_t>(st.st_size),
+        " bytes while this process had it open (truncated by something other than LMDB); "
+        "the cache is corrupted, delete and rebuild this version"));
+  }
+  return absl::OkStatus();
+}
+
+class GatherBytesOp : public OpKernel {
  public:
-  explicit SplitBytesOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit GatherBytesOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& values = ctx->input(0);
-    const Tensor& offsets = ctx->input(1);
+    const Tensor& starts = ctx->input(1);
+    const Tensor& lengths = ctx->input(2);
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(values.shape()),
                 absl::InvalidArgumentError("values must be a vector"));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(offsets.shape()) && offsets.NumElements() >= 1,
-                absl::InvalidArgumentError("offsets must be a vector of at least one element"));
-    const int64_t* off = offsets.flat<int64_t>().data();
-    const int64_t n = offsets.NumElements() - 1;
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(starts.shape()) &&
+                    TensorShapeUtils::IsVector(lengths.shape()) &&
+                    starts.NumElements() == lengths.NumElements(),
+                absl::InvalidArgumentError("starts and lengths must be vectors of one length"));
+    const int64_t n = starts.NumElements();
     const int64_t size = values.NumElements();
-    OP_REQUIRES(ctx, off[0] >= 0 && off[0] <= size,
-                absl::InvalidArgumentError(absl::StrCat("offsets[0] = ", off[0],
-                                                        " is outside the ", size, " bytes")));
+    const int64_t* pos = starts.flat<int64_t>().data();
+    const int64_t* len = lengths.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, CheckFile(ctx->input(3), ctx->input(4)));
     for (int64_t i = 0; i < n; ++i) {
-      OP_REQUIRES(ctx, off[i] <= off[i + 1] && off[i + 1] <= size,
+      OP_REQUIRES(ctx, pos[i] >= 0 && len[i] >= 0 && pos[i] <= size && len[i] <= size - pos[i],
                   absl::InvalidArgumentError(absl::StrCat(
-                      "offsets[", i + 1, "] = ", off[i + 1], " is below offsets[", i, "] = ",
-                      off[i], " or past the ", size, " bytes")));
+                      "range ", i, " (start ", pos[i], ", length ", len[i],
+                      ") lies outside the ", size, " bytes")));
     }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
     tstring* strings = out->flat<tstring>().data();
     const char* base = reinterpret_cast<const char*>(values.flat<uint8_t>().data());
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t len = off[i + 1] - off[i];
-      strings[i].resize_uninitialized(static_cast<size_t>(len));
-      if (len) std::memcpy(strings[i].mdata(), base + off[i], static_cast<size_t>(len));
+      strings[i].resize_uninitialized(static_cast<size_t>(len[i]));
+      if (len[i]) std::memcpy(strings[i].mdata(), base + pos[i], static_cast<size_t>(len[i]));
     }
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("YogastoreSplitBytes").Device(::tensorflow::DEVICE_CPU),
-                        SplitBytesOp);
+REGISTER_KERNEL_BUILDER(Name("YogastoreGatherBytes").Device(::tensorflow::DEVICE_CPU),
+                        GatherBytesOp);
 
 }  // namespace

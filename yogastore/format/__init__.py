@@ -23,6 +23,7 @@ from yogastore.format.batch import (
     ColumnBatch,
     StringBuffer,
     StringFormat,
+    StringRanges,
     reshape_values,
     split_strings,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "ColumnBatch",
     "ColumnSpec",
     "StringBuffer",
+    "StringRanges",
     "StringFormat",
     "columns_for",
     "encode_chunk",

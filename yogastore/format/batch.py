@@ -19,7 +19,14 @@ try:  # compiled loops; without them the string split falls back to Python
 except ImportError:  # pragma: no cover - the package builds it on install
     _gather = None  # type: ignore[assignment]
 
-__all__ = ["ColumnBatch", "StringBuffer", "StringFormat", "reshape_values", "split_strings"]
+__all__ = [
+    "ColumnBatch",
+    "StringBuffer",
+    "StringFormat",
+    "StringRanges",
+    "reshape_values",
+    "split_strings",
+]
 
 
 class StringFormat(enum.Enum):
@@ -27,11 +34,14 @@ class StringFormat(enum.Enum):
 
     ``OBJECTS``: a numpy object array of ``bytes`` (one Python object per
     string). ``BUFFERS``: a ``StringBuffer``, all bytes in one array plus
-    offsets, with no Python object per string.
+    offsets, with no Python object per string. ``RANGES``: a ``StringRanges``,
+    the strings where they lie: a read-only byte array plus each string's start
+    and length (from a local store, a view of the stored chunks: no copy).
     """
 
     OBJECTS = "objects"
     BUFFERS = "buffers"
+    RANGES = "ranges"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,6 +84,59 @@ class StringBuffer:
         return split_strings(self.data, self.offsets).reshape(self.shape)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StringRanges:
+    """Strings where they lie: string ``i`` is ``data[starts[i]:starts[i] + lengths[i]]``.
+
+    Attributes:
+        data: read-only ``uint8`` array the strings lie in (from a local store,
+            a view of the mapped chunks; it keeps them alive).
+        starts: ``int64`` start of every string in ``data`` (flat).
+        lengths: ``int64`` length of every string in bytes (flat).
+        shape: the shape of the string array (its product is ``len(starts)``).
+    """
+
+    data: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.starts)
+        if len(self.lengths) != n or math.prod(self.shape) != n:
+            raise UnsupportedElementError(
+                f"StringRanges of shape {self.shape} needs {math.prod(self.shape)} starts and "
+                f"lengths, got {n} and {len(self.lengths)}"
+            )
+        if n and (
+            int(self.starts.min()) < 0
+            or int(self.lengths.min()) < 0
+            or int((self.starts + self.lengths).max()) > len(self.data)
+        ):
+            raise CorruptCacheError(
+                f"StringRanges reach outside the {len(self.data)} bytes they lie in"
+            )
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def to_buffer(self) -> StringBuffer:
+        """Return the strings copied back to back (a ``StringBuffer`` of the same shape)."""
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=offsets[1:])
+        out = np.empty(int(offsets[-1]), dtype=np.uint8)
+        if _gather is not None:
+            _gather.gather_ranges(out, self.data, self.starts, self.lengths)
+        else:  # pragma: no cover - the package builds the extension
+            for a, s, k in zip(offsets[:-1], self.starts, self.lengths, strict=True):
+                out[a : a + k] = self.data[s : s + k]
+        return StringBuffer(out, offsets, self.shape)
+
+    def to_numpy(self) -> np.ndarray:
+        """Return the strings as a numpy object array of ``bytes`` of ``shape``."""
+        return self.to_buffer().to_numpy()
+
+
 def split_strings(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Return ``data[offsets[i]:offsets[i + 1]]`` for each ``i`` as a flat object array."""
     n = len(offsets) - 1
@@ -101,9 +164,19 @@ class ColumnBatch:
     shapes: np.ndarray  # [B, ndim]
     offsets: np.ndarray | None = None
     boffsets: np.ndarray | None = None
+    # Strings left where they lie (``data`` a view of the chunks): start and
+    # length of each string instead of ``boffsets``.
+    ranges: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.shapes)
+
+    def _copied(self) -> ColumnBatch:
+        """This batch with its strings copied back to back (itself if they are)."""
+        if self.ranges is None:
+            return self
+        buf = StringRanges(self.data, *self.ranges, (len(self.ranges[0]),)).to_buffer()
+        return ColumnBatch(self.spec, buf.data, self.shapes, self.offsets, buf.offsets)
 
     def record(self, i: int) -> Any:
         """Return record ``i`` as numpy (bytes for scalar strings)."""
@@ -115,6 +188,8 @@ class ColumnBatch:
         shape = tuple(int(d) for d in self.shapes[i])
         if self.spec.layout == "var":
             return self.data[a:b].reshape(shape)
+        if self.ranges is not None:
+            return self._copied().record(i)
         if self.boffsets is None:  # pragma: no cover
             raise CorruptCacheError("string column batch lacks byte offsets")
         bo = self.boffsets
@@ -127,6 +202,8 @@ class ColumnBatch:
 
     def strings(self) -> np.ndarray:
         """Return all strings of the batch as a flat object array."""
+        if self.ranges is not None:
+            return self._copied().strings()
         if self.boffsets is None:
             raise UnsupportedElementError("not a string column")
         return split_strings(self.data, self.boffsets)
@@ -135,6 +212,16 @@ class ColumnBatch:
         """Return the flat values: numbers, or strings as ``strings`` says."""
         if self.spec.layout != "bytes":
             return self.data.reshape(-1)
+        if strings is StringFormat.RANGES:
+            if self.ranges is not None:
+                starts, lengths = self.ranges
+            elif self.boffsets is not None:
+                starts, lengths = self.boffsets[:-1], np.diff(self.boffsets)
+            else:  # pragma: no cover - bytes columns have one or the other
+                raise UnsupportedElementError("not a string column")
+            return StringRanges(self.data, starts, lengths, (len(starts),))
+        if self.ranges is not None:
+            return self._copied().values(strings)
         if strings is StringFormat.BUFFERS:
             if self.boffsets is None:  # pragma: no cover - bytes columns have them
                 raise UnsupportedElementError("not a string column")
@@ -164,11 +251,14 @@ class ColumnBatch:
 
 
 def reshape_values(values: Any, shape: tuple[int, ...]) -> Any:
-    """Reshape flat values (an array or a ``StringBuffer``); one dimension may be -1."""
-    if not isinstance(values, StringBuffer):
+    """Reshape flat values (an array, ``StringBuffer`` or ``StringRanges``); one dim may be -1."""
+    if not isinstance(values, StringBuffer | StringRanges):
         return values.reshape(shape)
     if -1 in shape:
         known = math.prod(d for d in shape if d != -1)
-        missing = (len(values.offsets) - 1) // known if known else 0
+        count = math.prod(values.shape)
+        missing = count // known if known else 0
         shape = tuple(missing if d == -1 else d for d in shape)
+    if isinstance(values, StringRanges):
+        return StringRanges(values.data, values.starts, values.lengths, shape)
     return StringBuffer(values.data, values.offsets, shape)

@@ -253,8 +253,11 @@ class FixedRows:
         starts = self._data_at[chunks] + local * self._row
         return starts, starts + self._row
 
-    def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
-        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
+    def gather(self, chunks: IntArray, local: IntArray, in_place: bool = False) -> ColumnBatch:
+        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before).
+
+        ``in_place`` concerns strings only; fixed-shape rows are always copied.
+        """
         n = len(local)
         shapes = self._shapes
         if len(shapes) != n:
@@ -316,6 +319,7 @@ class VarRows:
         self._low = 0
         self._end = 0
         self._span: tuple[np.ndarray, int] | None = None  # (flat bytes, their address)
+        self._aligned: tuple[np.ndarray, int, int] | None = None  # (span, low, end) it covers
         self._pool = pool if pool is not None else BufferPool()
         self._lock = threading.Lock()
 
@@ -425,8 +429,29 @@ class VarRows:
             ) from err
         return at + begin, at + end
 
-    def gather(self, chunks: IntArray, local: IntArray) -> ColumnBatch:
-        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before)."""
+    def _aligned_span(self) -> np.ndarray:
+        """A read-only byte array over every added chunk's arrays, from an ``ALIGN``-aligned start.
+
+        Handed to TensorFlow it is wrapped, not copied (aligned), and it keeps
+        the arrays it spans alive. Only the ranges of added chunks are ever
+        read from it; the at most ``ALIGN - 1`` bytes before the lowest array lie
+        on the same (mapped) page.
+        """
+        with self._lock:
+            cached = self._aligned
+            if cached is not None and cached[1] == self._low and cached[2] == self._end:
+                return cached[0]
+            base = self._low - self._low % ALIGN
+            span = np.asarray(_Borrowed(base, self._end - base, list(self._arrays)))
+            self._aligned = (span, self._low, self._end)
+            return span
+
+    def gather(self, chunks: IntArray, local: IntArray, in_place: bool = False) -> ColumnBatch:
+        """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before).
+
+        With ``in_place``, strings are not copied: the batch's ``data`` is a
+        read-only view spanning the chunks and ``ranges`` says where each string lies.
+        """
         n = len(local)
         span = self._span
         if n and not self._added[chunks].all():
@@ -447,7 +472,7 @@ class VarRows:
                 starts = np.where(lengths > 0, self._data[chunks] - low + first * item, 0)
                 copy_ranges(data, flat, starts, lengths)
                 return ColumnBatch(self.spec, data.view(self.spec.np_dtype), shapes, offsets)
-            return self._gather_strings(flat, low, chunks, first, counts, shapes, offsets)
+            return self._gather_strings(flat, low, chunks, first, counts, shapes, offsets, in_place)
         except IndexError as err:  # a range outside the span: offsets changed under us
             raise CorruptCacheError(
                 f"{self._where.get(int(chunks[0]), 'chunk')}: {err}; the cache is corrupted"
@@ -462,6 +487,7 @@ class VarRows:
         counts: IntArray,
         shapes: IntArray,
         offsets: IntArray,
+        in_place: bool = False,
     ) -> ColumnBatch:
         n = len(chunks)
         base = self._boffsets[chunks] - low + first * 8
@@ -483,11 +509,29 @@ class VarRows:
         bad = (begin < 0) | (lengths < 0) | (end > self._nbytes[owner])
         if bad.any():
             raise self._corrupt(owner, bad, "string offsets out of bounds")
+        if in_place:
+            span = self._aligned_span()
+            shift = low - int(span.__array_interface__["data"][0])
+            starts = np.where(lengths > 0, self._data[owner] - low + begin + shift, 0)
+            return ColumnBatch(self.spec, span, shapes, offsets, ranges=(starts, lengths))
         boffsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=boffsets[1:])
         data = self._pool.take(int(boffsets[-1]))
         copy_ranges(data, flat, np.where(lengths > 0, self._data[owner] - low + begin, 0), lengths)
         return ColumnBatch(self.spec, data, shapes, offsets, boffsets)
+
+
+class _Borrowed:
+    """``size`` read-only bytes at ``address`` as an array interface, keeping ``owners`` alive."""
+
+    def __init__(self, address: int, size: int, owners: list[np.ndarray]) -> None:
+        self.__array_interface__ = {
+            "data": (address, True),
+            "shape": (size,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+        self._owners = owners
 
 
 def _empty_batch(spec: ColumnSpec, n: int) -> ColumnBatch:

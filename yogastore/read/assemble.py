@@ -18,6 +18,7 @@ from yogastore.format import (
     ColumnBatch,
     StringBuffer,
     StringFormat,
+    StringRanges,
     columns_for,
     reshape_values,
 )
@@ -137,10 +138,15 @@ def batch_components(
 
 
 def slice_rows(values: Any, start: int, stop: int) -> Any:
-    """Rows ``[start, stop)`` of an array or a ``StringBuffer`` (along the first dimension)."""
+    """Rows ``[start, stop)`` of an array, a ``StringBuffer`` or ``StringRanges``."""
+    per = math.prod(values.shape[1:])
+    if isinstance(values, StringRanges):
+        a, b = start * per, stop * per
+        return StringRanges(
+            values.data, values.starts[a:b], values.lengths[a:b], (stop - start, *values.shape[1:])
+        )
     if not isinstance(values, StringBuffer):
         return values[start:stop]
-    per = math.prod(values.shape[1:])
     offsets = values.offsets[start * per : stop * per + 1]
     data = values.data[int(offsets[0]) : int(offsets[-1])]
     return StringBuffer(data, offsets - offsets[0], (stop - start, *values.shape[1:]))

@@ -248,7 +248,10 @@ class LocalChunkSource:
             self.stats.bytes_verified += hashed
         return view
 
-    def gather(self, records: IntArray) -> list[ColumnBatch]:
+    gathers_in_place = True  # gather(in_place=True) leaves strings where they lie
+
+    def gather(self, records: IntArray, in_place: bool = False) -> list[ColumnBatch]:
+        """Return the records' column batches, checked (strings as views if ``in_place``)."""
         which, local = locate(self.manifest, self._starts, records, self._uniform)
         # Views handed out earlier read a memory map: make sure its file did
         # not shrink since (an outside truncation), which would be a SIGBUS.
@@ -267,11 +270,15 @@ class LocalChunkSource:
                 self._verify(which, local)
             elif pending.any():
                 self._verify(which[pending], local[pending])
-        out = [rows.gather(which, local) for rows in self._rows]
+        out = [rows.gather(which, local, in_place) for rows in self._rows]
         with self._lock:
             self.stats.records += len(records)
             self.stats.batches += 1
         return out
+
+    def mapped_file(self) -> tuple[str, int, int, int] | None:
+        """The mapped file views of this source read (see ``Backend.mapped_file``), or ``None``."""
+        return self.backend.mapped_file(self._mapped_key)
 
     def _verify(self, which: IntArray, local: IntArray) -> None:
         """Check the blocks holding these records' bytes, in every column (before any copy)."""

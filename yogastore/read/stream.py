@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 from collections.abc import Iterator
@@ -286,10 +287,25 @@ class Stream:
 
     def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
         """Yield ``(records, column batches)``, reading ahead on a background thread."""
+        return self._column_batches(batch_size, drop_remainder)
+
+    def strings_in_place(self) -> bool:
+        """Whether batches can leave strings where they lie (local stores; see ``StringRanges``).
+
+        Only through this class's own ``column_batches``: a subclass may give
+        batches a meaning of their own.
+        """
+        return bool(getattr(self.source, "gathers_in_place", False)) and (
+            type(self).column_batches is Stream.column_batches
+        )
+
+    def _column_batches(
+        self, batch_size: int, drop_remainder: bool = False, in_place: bool = False
+    ) -> Iterator[Any]:
         indices: Iterator[IntArray] = self.record_indices(batch_size)
         if drop_remainder:
             indices = (r for r in indices if len(r) == batch_size)
-        return self._gathered(indices)
+        return self._gathered(indices, in_place)
 
     def _ramped_indices(self, batch_size: int, k: int) -> Iterator[IntArray]:
         """This rank's records in groups of 1, 2, 4, ... up to ``k`` batches.
@@ -308,8 +324,11 @@ class Stream:
         if group:
             yield np.concatenate(group)
 
-    def _gathered(self, indices: Iterator[IntArray]) -> Iterator[Any]:
+    def _gathered(self, indices: Iterator[IntArray], in_place: bool = False) -> Iterator[Any]:
         source = self.source
+        gather = source.gather
+        if in_place:  # sources that say so (gathers_in_place) take the keyword
+            gather = functools.partial(source.gather, in_place=True)  # type: ignore[call-arg]
         plan = getattr(source, "plan", None)  # sources that look ahead (remote reads)
         if plan is not None:
             indices = plan(indices)
@@ -319,13 +338,13 @@ class Stream:
         consume = self.assignment.consume
         if depth == 0:
             for records in indices:
-                yield records, source.gather(records)
+                yield records, gather(records)
                 consume(len(records))
             return
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="yogastore") as pool:
             window: list[tuple[IntArray, concurrent.futures.Future[Any]]] = []
             for records in indices:
-                window.append((records, pool.submit(source.gather, records)))
+                window.append((records, pool.submit(gather, records)))
                 if len(window) > depth:
                     records0, fut = window.pop(0)
                     yield records0, fut.result()
@@ -370,7 +389,10 @@ class Stream:
         batch dimension, as ``tf.data.Dataset.batch`` would make them.
         Strings are numpy object arrays of ``bytes``, or with
         ``strings=StringFormat.BUFFERS`` a ``StringBuffer`` each: all bytes in
-        one array plus offsets, without a Python object per string.
+        one array plus offsets, without a Python object per string; with
+        ``StringFormat.RANGES`` a ``StringRanges``: from a local store a
+        read-only view of the stored bytes with each string's start and length,
+        not copied at all (from others, the copied bytes).
         From local stores, small fixed-shape batches are gathered several at a
         time (about ``_GATHER_BYTES``) and handed out as views, which spreads
         the fixed cost of a gather over many batches.
@@ -391,14 +413,20 @@ class Stream:
         # References to a batch are dropped before the next gather, so a
         # consumer that does not keep batches gets the same (cache-warm)
         # pooled buffer back every time.
+        in_place = strings is StringFormat.RANGES and self.strings_in_place()
         if k == 1:
-            for _records, cols in self.column_batches(batch_size, drop_remainder):
+            batches = (
+                self._column_batches(batch_size, drop_remainder, True)
+                if in_place
+                else self.column_batches(batch_size, drop_remainder)
+            )
+            for _records, cols in batches:
                 batch = schema.pack(batch_components(schema, cols, where, strings))
                 del cols
                 yield batch
                 del batch
             return
-        for _records, cols in self._gathered(self._ramped_indices(batch_size, k)):
+        for _records, cols in self._gathered(self._ramped_indices(batch_size, k), in_place):
             arrays = batch_components(schema, cols, where, strings)
             del cols
             n = batch_length(schema, arrays)

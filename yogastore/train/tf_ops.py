@@ -1,12 +1,14 @@
 """The read bridge's TensorFlow kernel: strings made from one buffer plus offsets.
 
-``yogastore/_tfops.cc`` defines ``YogastoreSplitBytes``: string ``i`` of a
-batch is ``values[offsets[i]:offsets[i + 1]]``, each bounds-checked and
+``yogastore/_tfops.cc`` defines ``YogastoreGatherBytes``: string ``i`` of a
+batch is ``values[starts[i]:starts[i] + lengths[i]]``, each bounds-checked and
 copied once, in a ``tf.data`` thread. With it a batch of strings crosses from
-Python to ``tf.data`` as two arrays (no Python object per string) and the
-copies into TensorFlow strings run beside the reading thread instead of after
-it. Without it ``to_tf_dataset`` hands strings over as numpy object arrays,
-with the same results.
+Python to ``tf.data`` as three arrays (no Python object per string): from a
+local store ``values`` is a read-only view of the mapped chunks, wrapped by
+TensorFlow without a copy, so each string is copied once, from the page cache
+into its tensor, beside the reading thread instead of on it. Without the
+kernel ``to_tf_dataset`` hands strings over as numpy object arrays, with the
+same results.
 
 The kernel is compiled against the installed TensorFlow's headers (a C++
 compiler is needed; ``make demo`` and ``make test`` build it)::
@@ -21,6 +23,7 @@ never loaded. ``YOGASTORE_TF_OPS=0`` switches the kernel off.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shlex
 import subprocess
@@ -32,11 +35,13 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["build", "library_path", "load", "split_bytes"]
+__all__ = ["build", "gather_bytes", "library_path", "load"]
 
 _SOURCE = Path(__file__).resolve().parent.parent / "_tfops.cc"
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}
+_warned: list[str] = []
+logger = logging.getLogger(__name__)
 
 
 def library_path() -> Path:
@@ -75,11 +80,17 @@ def build(verbose: bool = False) -> Path:
             f"compiling {_SOURCE.name} failed ({shlex.join(cmd)}):\n{done.stderr[-4000:]}"
         )
     os.replace(tmp, target)
+    for old in target.parent.glob("_tfops-*.so"):  # builds of other sources or TensorFlows
+        if old != target:
+            old.unlink(missing_ok=True)
     return target
 
 
-def load() -> Any | None:
-    """Return the loaded kernel module, or ``None`` when it is not built or switched off."""
+def load(warn_missing: bool = False) -> Any | None:
+    """Return the loaded kernel module, or ``None`` when it is not built or switched off.
+
+    With ``warn_missing``, a kernel that is not built is logged once per process.
+    """
     if os.environ.get("YOGASTORE_TF_OPS", "1") == "0":
         return None
     path = library_path()
@@ -87,22 +98,37 @@ def load() -> Any | None:
     with _lock:
         if key not in _loaded:
             _loaded[key] = tf.load_op_library(key) if path.exists() else None
+        if _loaded[key] is None and warn_missing and not _warned:
+            _warned.append(key)
+            logger.warning(
+                "yogastore: strings cross to tf.data as Python objects (slower): the TensorFlow "
+                "kernel is not built; run python -m yogastore.train.tf_ops "
+                "(YOGASTORE_TF_OPS=0 silences this)"
+            )
         return _loaded[key]
 
 
-def split_bytes(values: Any, offsets: Any) -> tf.Tensor:
-    """Return ``values[offsets[i]:offsets[i + 1]]`` as a string tensor (the kernel must be built).
+def gather_bytes(
+    values: Any, starts: Any, lengths: Any, file: Any = b"", file_guard: Any = (0, 0, 0)
+) -> tf.Tensor:
+    """Return ``values[starts[i]:starts[i] + lengths[i]]`` as a string tensor.
+
+    When ``values`` maps a file, ``file`` names it and ``file_guard`` holds its
+    device, inode and the size it must still have (``Backend.mapped_file``): a
+    file truncated since fails the kernel instead of killing the process.
 
     Raises:
         RuntimeError: the kernel is not built or switched off.
-        tf.errors.InvalidArgumentError: offsets decrease or run past ``values``.
+        tf.errors.InvalidArgumentError: a range reaches outside ``values``.
+        tf.errors.DataLossError: ``file`` shrank below its guarded size.
     """
     ops = load()
     if ops is None:
         raise RuntimeError(
             "the yogastore TensorFlow kernel is not built: run python -m yogastore.train.tf_ops"
         )
-    return ops.yogastore_split_bytes(values, offsets)
+    guard = tf.cast(file_guard, tf.int64)
+    return ops.yogastore_gather_bytes(values, starts, lengths, file, guard)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from yogastore.format.batch import StringBuffer, StringFormat
+from yogastore.format.batch import StringFormat, StringRanges
+from yogastore.format.layout import ALIGN
 from yogastore.read.assemble import batch_components, element_components, slice_rows
 from yogastore.read.stream import Stream, fixed_numeric, splittable
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, row_bytes
@@ -206,12 +207,19 @@ def _grouped_dataset(
         k = 1  # a subclass may give batches a meaning of their own (steps, padding)
     static = size if drop_remainder else None
     comps = schema.components
-    # With the kernel, strings cross as bytes + offsets (see tf_ops) instead of object arrays.
-    kernel = tf_ops.load()
-    strings = StringFormat.BUFFERS if kernel is not None else StringFormat.OBJECTS
+    # With the kernel, strings cross as bytes + starts + lengths (see tf_ops), from a local
+    # store as a view of the mapped chunks (wrapped, not copied), instead of object arrays.
+    kernel = tf_ops.load(warn_missing=any(c.dtype == "string" for c in comps))
+    strings = StringFormat.RANGES if kernel is not None else StringFormat.OBJECTS
+    in_place = kernel is not None and stream.strings_in_place()
     buffers = [kernel is not None and c.dtype == "string" for c in comps]
-    byte_specs = [tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.int64)]
+    byte_specs = [tf.TensorSpec([None], tf.uint8)] + [tf.TensorSpec([None], tf.int64)] * 2
     specs: list[tf.TensorSpec] = [tf.TensorSpec([], tf.int64)]  # rows per batch
+    # The file the strings' bytes map, and its device, inode and size to keep: the kernel
+    # fails rather than read a file truncated meanwhile (which would be SIGBUS).
+    no_file = (b"", np.zeros(3, np.int64))
+    if any(buffers):
+        specs += [tf.TensorSpec([], tf.string), tf.TensorSpec([3], tf.int64)]
     for c, buf in zip(comps, buffers, strict=True):
         dtype = tf_dtype(c.dtype)
         if c.kind is Kind.TENSOR:
@@ -222,16 +230,22 @@ def _grouped_dataset(
             specs += [*flat, tf.TensorSpec([None], splits)]
 
     def flat_wire(values: Any) -> list[Any]:
-        if isinstance(values, StringBuffer):
-            return [values.data, values.offsets]
-        return [values]
+        if not isinstance(values, StringRanges):
+            return [values]
+        if values.data.__array_interface__["data"][0] % ALIGN:
+            # TensorFlow would copy all of an unaligned array: copy only these strings.
+            buf = values.to_buffer()
+            return [buf.data, buf.offsets[:-1], values.lengths]
+        return [values.data, values.starts, values.lengths]
 
-    def wire(arrays: list[Any], start: int, stop: int, rows: int) -> tuple[Any, ...]:
-        out: list[Any] = [np.int64(rows)]
+    def wire(
+        arrays: list[Any], start: int, stop: int, rows: int, file: tuple[bytes, Any]
+    ) -> tuple[Any, ...]:
+        out: list[Any] = [np.int64(rows), *file] if any(buffers) else [np.int64(rows)]
         for c, a in zip(comps, arrays, strict=True):
             if c.kind is Kind.TENSOR:
                 part = slice_rows(a, start, stop)
-                if isinstance(part, StringBuffer):
+                if isinstance(part, StringRanges):
                     out += flat_wire(part)
                 else:
                     out.append(part.reshape(len(part) // rows, rows, *part.shape[1:]))
@@ -242,9 +256,13 @@ def _grouped_dataset(
         return tuple(out)
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        for _records, cols in stream.column_batches(size * k):
+        for _records, cols in stream._column_batches(size * k, False, in_place):
             arrays = batch_components(schema, cols, where, strings)
             del cols
+            file = no_file
+            mapped = getattr(stream.source, "mapped_file", lambda: None)() if in_place else None
+            if mapped is not None:
+                file = (mapped[0].encode(), np.array(mapped[1:], np.int64))
             n = (
                 len(arrays[0])
                 if comps[0].kind is Kind.TENSOR
@@ -252,18 +270,21 @@ def _grouped_dataset(
             )
             full = n // size * size
             if full:
-                yield wire(arrays, 0, full, size)
+                yield wire(arrays, 0, full, size, file)
             if full < n and not drop_remainder:
-                yield wire(arrays, full, n, n - full)
+                yield wire(arrays, full, n, n - full, file)
             del arrays
 
     def regroup(rows: Any, *w: Any) -> Any:
         out: list[Any] = []
+        file: tuple[Any, ...] = ()
+        if any(buffers):
+            file, w = w[:2], w[2:]
         i = 0
         for c, buf in zip(comps, buffers, strict=True):
-            if buf:  # bytes + offsets: the kernel makes the strings
-                values = tf_ops.split_bytes(w[i], w[i + 1])
-                i += 2
+            if buf:  # bytes + starts + lengths: the kernel makes the strings
+                values = tf_ops.gather_bytes(w[i], w[i + 1], w[i + 2], *file)
+                i += 3
             else:
                 values = w[i]
                 i += 1
