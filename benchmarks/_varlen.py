@@ -11,6 +11,7 @@ Rows of one case, side by side on the same records:
      as (b) hands them over (no read: the ceiling of that hand-over);
 (c)  ``Stream.batches(256, strings=StringFormat.BUFFERS)`` (bytes + offsets);
 (c2) ``Stream.batches(256)`` (numpy object arrays of ``bytes``);
+(c3) ``Stream.batches(256, strings=StringFormat.RANGES)`` (the stored bytes in place, no copy);
 (d)  the same index batches gathered from the records held in memory as values + offsets,
      with the same compiled range copy (the ceiling of any copying reader);
 (p)  Grain ``MapDataset`` over an ArrayRecord file: shuffled, rank 0 of 4, batched;
@@ -452,11 +453,16 @@ def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:
     case = ctx.case
     text = case.kind == "text"
     rows = []
-    for key, fmt in (("c", yogastore.StringFormat.BUFFERS), ("c2", yogastore.StringFormat.OBJECTS)):
+    formats = (
+        ("c", yogastore.StringFormat.BUFFERS),
+        ("c2", yogastore.StringFormat.OBJECTS),
+        ("c3", yogastore.StringFormat.RANGES),
+    )
+    for key, fmt in formats:
         checker = Checker(ctx.recs)
         for batch in _stream(ctx, 1).batches(case.batch_size, strings=fmt):
             x = batch["x"]
-            xs = x.to_numpy().tolist() if fmt is yogastore.StringFormat.BUFFERS else x.tolist()
+            xs = x.tolist() if fmt is yogastore.StringFormat.OBJECTS else x.to_numpy().tolist()
             toks = batch["tokens"].to_list() if text else None
             checker.add(batch["y"], xs, toks)
 
