@@ -244,6 +244,14 @@ class Backend(abc.ABC):
         """
         return None
 
+    def mapped_span(self, key: str) -> tuple[int, int] | None:
+        """Return (address, size) of the one memory map of every view read where ``key`` lives.
+
+        ``None``: views not mapped, or in several maps. Within it, bytes between
+        views are readable too: readers may hand out one array spanning views.
+        """
+        return None
+
     def check_mapped(self, key: str) -> None:
         """Raise if buffers read earlier from where ``key`` lives can no longer be read.
 

@@ -193,6 +193,7 @@ class _Env:
         # The data file mapped by this module (read-only, random access) for large
         # values, which LMDB would page in whole when it hands them out.
         self.mapped: lmdb_pages.Mapping | None = None
+        self.maps = 0  # mappings made; after the first, views may lie in older ones
         self.cached: dict[bytes, bool] = {}  # values found in the page cache when first announced
         self.write_checked = False  # structure checked before this process's first write
         self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
@@ -306,6 +307,7 @@ class _Env:
                     f"end of the {size:,}-byte file (truncated)",
                 )
             self.mapped = lmdb_pages.Mapping(self.fd, size)  # older maps live on through views
+            self.maps += 1
         if not lmdb_pages.overflow_header_ok(self.fd, spot):
             self.check_size()
             raise _corrupt(
@@ -381,6 +383,13 @@ class _Env:
         """Return the data file's path, device, inode and the size it must keep (``seen``)."""
         st = os.fstat(self.fd)
         return str(self.path / _DATA_FILE), st.st_dev, st.st_ino, self.seen
+
+    def mapped_span(self) -> tuple[int, int] | None:
+        """Return (address, size) of the one mapping every view lies in, or ``None``."""
+        mapped = self.mapped
+        if mapped is None or self.maps != 1:
+            return None
+        return mapped.address, mapped.size
 
     def check_mapped(self) -> None:
         """Raise ``CorruptCacheError`` if views of this file could no longer be read."""
@@ -611,9 +620,16 @@ class LmdbBackend(Backend):
             entry.extra.check_mapped()
 
     def mapped_file(self, key: str) -> tuple[str, int, int, int] | None:
-        directory = key.rpartition("/")[0]
-        entry = lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
+        entry = self._peek(key)
         return None if entry is None else entry.extra.file_guard()
+
+    def mapped_span(self, key: str) -> tuple[int, int] | None:
+        entry = self._peek(key)
+        return None if entry is None else entry.extra.mapped_span()
+
+    def _peek(self, key: str) -> Any:
+        directory = key.rpartition("/")[0]
+        return lmdb_env.peek(os.path.join(self._root, directory) if directory else self._root)
 
     def _will_read(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> bool:
         directory, _, name = key.rpartition("/")

@@ -253,7 +253,9 @@ class FixedRows:
         starts = self._data_at[chunks] + local * self._row
         return starts, starts + self._row
 
-    def gather(self, chunks: IntArray, local: IntArray, in_place: bool = False) -> ColumnBatch:
+    def gather(
+        self, chunks: IntArray, local: IntArray, in_place: tuple[int, int] | None = None
+    ) -> ColumnBatch:
         """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before).
 
         ``in_place`` concerns strings only; fixed-shape rows are always copied.
@@ -429,28 +431,32 @@ class VarRows:
             ) from err
         return at + begin, at + end
 
-    def _aligned_span(self) -> np.ndarray:
+    def _aligned_span(self, region: tuple[int, int]) -> np.ndarray | None:
         """A read-only byte array over every added chunk's arrays, from an ``ALIGN``-aligned start.
 
         Handed to TensorFlow it is wrapped, not copied (aligned), and it keeps
-        the arrays it spans alive. Only the ranges of added chunks are ever
-        read from it; the at most ``ALIGN - 1`` bytes before the lowest array lie
-        on the same (mapped) page.
+        the arrays it spans alive. ``None`` unless it lies within ``region``
+        (address, size): one memory map, all of whose bytes are readable.
         """
         with self._lock:
             cached = self._aligned
             if cached is not None and cached[1] == self._low and cached[2] == self._end:
                 return cached[0]
             base = self._low - self._low % ALIGN
+            if base < region[0] or self._end > region[0] + region[1]:
+                return None
             span = np.asarray(_Borrowed(base, self._end - base, list(self._arrays)))
             self._aligned = (span, self._low, self._end)
             return span
 
-    def gather(self, chunks: IntArray, local: IntArray, in_place: bool = False) -> ColumnBatch:
+    def gather(
+        self, chunks: IntArray, local: IntArray, in_place: tuple[int, int] | None = None
+    ) -> ColumnBatch:
         """Return records ``local[j]`` of chunk ``chunks[j]`` (all added before).
 
-        With ``in_place``, strings are not copied: the batch's ``data`` is a
-        read-only view spanning the chunks and ``ranges`` says where each string lies.
+        ``in_place``: (address, size) of the one memory map all chunks lie in.
+        Strings are then not copied: the batch's ``data`` is a read-only view
+        spanning the chunks and ``ranges`` says where each string lies.
         """
         n = len(local)
         span = self._span
@@ -487,7 +493,7 @@ class VarRows:
         counts: IntArray,
         shapes: IntArray,
         offsets: IntArray,
-        in_place: bool = False,
+        in_place: tuple[int, int] | None = None,
     ) -> ColumnBatch:
         n = len(chunks)
         base = self._boffsets[chunks] - low + first * 8
@@ -509,8 +515,8 @@ class VarRows:
         bad = (begin < 0) | (lengths < 0) | (end > self._nbytes[owner])
         if bad.any():
             raise self._corrupt(owner, bad, "string offsets out of bounds")
-        if in_place:
-            span = self._aligned_span()
+        span = self._aligned_span(in_place) if in_place is not None else None
+        if span is not None:
             shift = low - int(span.__array_interface__["data"][0])
             starts = np.where(lengths > 0, self._data[owner] - low + begin + shift, 0)
             return ColumnBatch(self.spec, span, shapes, offsets, ranges=(starts, lengths))

@@ -270,7 +270,10 @@ class LocalChunkSource:
                 self._verify(which, local)
             elif pending.any():
                 self._verify(which[pending], local[pending])
-        out = [rows.gather(which, local, in_place) for rows in self._rows]
+        # Strings stay in place only inside one memory map: all bytes an array
+        # spanning them covers are then readable.
+        region = self.backend.mapped_span(self._mapped_key) if in_place else None
+        out = [rows.gather(which, local, region) for rows in self._rows]
         with self._lock:
             self.stats.records += len(records)
             self.stats.batches += 1
