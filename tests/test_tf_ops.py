@@ -263,3 +263,21 @@ def test_truncated_under_tf_data_is_an_error_not_sigbus(tmp_path: Path) -> None:
     out = json.loads(proc.stdout.splitlines()[-1])
     assert "shrank from" in out["kernel"] and "data.mdb" in out["kernel"]
     assert "shrank" in out["dataset"], out["dataset"]
+
+
+def test_a_position_dataset_of_strings_goes_through_its_own_batches(tmp_path: Path) -> None:
+    # StreamPosition reads through a Stream subclass (EpochRest): strings must not bypass it.
+    import yogastore.distributed as yd
+
+    def make() -> tf.data.Dataset:
+        x = tf.range(18, dtype=tf.int64)
+        return tf.data.Dataset.from_tensor_slices({"x": x, "s": tf.strings.as_string(x)})
+
+    ref = yogastore.Store(tmp_path).cache("pos", "1", make)
+    pos = yd.StreamPosition(ref, seed=0)
+    seen = []
+    for batch in pos.dataset(0, 2, batch_size=4):
+        seen += batch["x"].numpy().tolist()
+        assert batch["s"].numpy().tolist() == [str(i).encode() for i in batch["x"].numpy()]
+        pos.advance()
+    assert len(seen) == 8 and len(set(seen)) == 8 and pos.epoch == 1  # 2 whole steps of 4

@@ -256,7 +256,13 @@ def _grouped_dataset(
         return tuple(out)
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        for _records, cols in stream._column_batches(size * k, False, in_place):
+        # In place only through Stream's own column_batches; a subclass's comes first.
+        batches = (
+            stream._column_batches(size * k, False, True)
+            if in_place
+            else stream.column_batches(size * k)
+        )
+        for _records, cols in batches:
             arrays = batch_components(schema, cols, where, strings)
             del cols
             file = no_file
