@@ -226,8 +226,15 @@ next(stream.batches(64, strings=yogastore.StringFormat.RANGES))
 _path, dev, ino, size = stream.source.mapped_file()
 it = iter(ref.stream(shuffle=True, seed=1, num_epochs=20).to_tf_dataset(16))
 next(it)
+ranges = ref.stream(shuffle=True, seed=2).batches(4, strings=yogastore.StringFormat.RANGES)
+next(ranges), next(ranges)  # batches gathered 1, then 2 at a time: the next is gathered
 time.sleep(1)  # the pipeline fills its buffers and waits
 os.truncate(data, 4096)
+try:
+    next(ranges)
+    out["ranges"] = "no error"
+except yogastore.CorruptCacheError as err:
+    out["ranges"] = str(err)
 try:
     # (Bytes of no file: converting s.data eagerly would copy, reading the truncated pages.)
     tf_ops.gather_bytes(np.zeros(8, np.uint8), [0], [4], data, [dev, ino, size])
@@ -263,6 +270,7 @@ def test_truncated_under_tf_data_is_an_error_not_sigbus(tmp_path: Path) -> None:
     out = json.loads(proc.stdout.splitlines()[-1])
     assert "shrank from" in out["kernel"] and "data.mdb" in out["kernel"]
     assert "shrank" in out["dataset"], out["dataset"]
+    assert "shrank" in out["ranges"], out["ranges"]
 
 
 def test_a_position_dataset_of_strings_goes_through_its_own_batches(tmp_path: Path) -> None:

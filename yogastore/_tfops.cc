@@ -55,6 +55,8 @@ names it and file_guard holds its device, inode and the size it must keep. A
 file that shrank since would kill the process on a read (SIGBUS), so the
 kernel fails instead. An empty file name skips the check.)doc");
 
+constexpr int64_t kCheckBytes = 256 << 10;
+
 // The mapped file, if any, must not have shrunk below what was read from it.
 absl::Status CheckFile(const Tensor& file, const Tensor& guard) {
   if (!TensorShapeUtils::IsScalar(file.shape()) || guard.NumElements() != 3) {
@@ -109,7 +111,13 @@ class GatherBytesOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
     tstring* strings = out->flat<tstring>().data();
     const char* base = reinterpret_cast<const char*>(values.flat<uint8_t>().data());
+    int64_t unchecked = 0;  // bytes copied since the file was last checked
     for (int64_t i = 0; i < n; ++i) {
+      if (unchecked > kCheckBytes) {  // keep the window of a truncation short
+        OP_REQUIRES_OK(ctx, CheckFile(ctx->input(3), ctx->input(4)));
+        unchecked = 0;
+      }
+      unchecked += len[i] + 64;
       strings[i].resize_uninitialized(static_cast<size_t>(len[i]));
       if (len[i]) std::memcpy(strings[i].mdata(), base + pos[i], static_cast<size_t>(len[i]));
     }

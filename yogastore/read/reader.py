@@ -279,6 +279,10 @@ class LocalChunkSource:
             self.stats.batches += 1
         return out
 
+    def check_mapped(self) -> None:
+        """Raise ``CorruptCacheError`` if the file views of this source map shrank."""
+        self.backend.check_mapped(self._mapped_key)
+
     def mapped_file(self) -> tuple[str, int, int, int] | None:
         """The mapped file views of this source read (see ``Backend.mapped_file``), or ``None``."""
         return self.backend.mapped_file(self._mapped_key)

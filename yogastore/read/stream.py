@@ -434,6 +434,8 @@ class Stream:
                 stop = min(start + batch_size, n)
                 if drop_remainder and stop - start < batch_size:
                     return  # only the stream's last batch can be short
+                if in_place and start:  # views of the file: it must not have shrunk since
+                    self.source.check_mapped()  # type: ignore[attr-defined]
                 batch = schema.pack(slice_batch(schema, arrays, start, stop))
                 yield batch
                 del batch

@@ -17,7 +17,7 @@ compiler is needed; ``make demo`` and ``make test`` build it)::
 
 It is written next to this package as ``_tfops-<TensorFlow version>-<source
 hash>.so``, so a library built for another TensorFlow or another source is
-never loaded. ``YOGASTORE_TF_OPS=0`` switches the kernel off.
+never loaded. ``YOGASTORE_TF_OPS=0`` (or ``false``, ``off``, ``no``) switches the kernel off.
 """
 
 from __future__ import annotations
@@ -91,13 +91,17 @@ def load(warn_missing: bool = False) -> Any | None:
 
     With ``warn_missing``, a kernel that is not built is logged once per process.
     """
-    if os.environ.get("YOGASTORE_TF_OPS", "1") == "0":
+    if os.environ.get("YOGASTORE_TF_OPS", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     path = library_path()
     key = str(path)
     with _lock:
         if key not in _loaded:
-            _loaded[key] = tf.load_op_library(key) if path.exists() else None
+            try:
+                _loaded[key] = tf.load_op_library(key) if path.exists() else None
+            except (tf.errors.OpError, OSError) as err:  # a damaged file: build it again
+                logger.warning("yogastore: cannot load %s (%s); rebuild it", path, err)
+                _loaded[key] = None
         if _loaded[key] is None and warn_missing and not _warned:
             _warned.append(key)
             logger.warning(
