@@ -303,10 +303,11 @@ def test_failed_create_without_a_lock_object_backs_off(
 def test_takeover_meets_its_own_retried_write(mock_bucket: str) -> None:
     """A takeover that landed but whose answer was lost is recognised on the retry."""
     url = f"s3://{mock_bucket}/p"
-    dead = S3Backend(url, lock_lease=1.0, lock_settle=0.0).lock("ds/1")
+    # Leases of 2 s: taking over costs one lease, mistaking its own write two.
+    dead = S3Backend(url, lock_lease=2.0, lock_settle=0.0).lock("ds/1")
     dead.__enter__()
     dead._stop.set()  # type: ignore[attr-defined]
-    waiter = S3Backend(url, lock_lease=1.0, lock_settle=0.0)
+    waiter = S3Backend(url, lock_lease=2.0, lock_settle=0.0)
     side = boto3.client("s3", region_name=REGION)
     lost_answers = 0
     bodies: list[bytes] = []
@@ -327,10 +328,10 @@ def test_takeover_meets_its_own_retried_write(mock_bucket: str) -> None:
     started = time.monotonic()
     # Without recognising its own write the waiter would watch that new ETag for
     # another full lease before taking the lock "over" from itself.
-    with waiter.lock("ds/1", timeout=1.7):
+    with waiter.lock("ds/1", timeout=3.5):
         assert lost_answers == 1
         assert json.loads(waiter.get("ds/1.lock"))["owner"] == waiter._held["ds/1"].token
-        assert time.monotonic() - started < 1.7
+        assert time.monotonic() - started < 3.5
 
 
 @pytest.mark.parametrize(
