@@ -124,12 +124,10 @@ class StringRanges:
         """Return the strings copied back to back (a ``StringBuffer`` of the same shape)."""
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=offsets[1:])
+        from yogastore.format.memory import copy_ranges  # (memory imports this module)
+
         out = np.empty(int(offsets[-1]), dtype=np.uint8)
-        if _gather is not None:
-            _gather.gather_ranges(out, self.data, self.starts, self.lengths)
-        else:  # pragma: no cover - the package builds the extension
-            for a, s, k in zip(offsets[:-1], self.starts, self.lengths, strict=True):
-                out[a : a + k] = self.data[s : s + k]
+        copy_ranges(out, self.data, self.starts, self.lengths)
         return StringBuffer(out, offsets, self.shape)
 
     def to_numpy(self) -> np.ndarray:
