@@ -167,7 +167,7 @@ def stream_tf_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     warm = consume(dataset(1), tf_labels).check(stream_indices(ref, case, 1))
     passes = plan_passes(case, span, lambda p: consume(dataset(p), tf_labels))
-    first_epoch_stats = streams[-1].stats()
+    first_epoch_stats = streams[0].stats()  # the first stream of ``ref`` fetched it all
     ds = dataset(passes)
     runs = repeat_runs(
         lambda: consume(ds, tf_labels), case.repeats, stream_indices(ref, case, passes)
@@ -225,7 +225,15 @@ def _stream(ctx: Context, epochs: int) -> Any:
 def stream_numpy(ctx: Context) -> dict[str, Any]:
     case = ctx.case
     verifier = Verifier(ctx.data)
-    first = _stream(ctx, 1)
+    # A fresh reference: later streams of one share what it fetched (stats count nothing).
+    fresh = ctx.ref.store.open(ctx.ref.dataset_id, ctx.ref.version)
+    first = fresh.stream(
+        shard_rank=case.shard_rank,
+        num_shards=case.num_shards,
+        shuffle=True,
+        seed=case.seed,
+        num_epochs=1,
+    )
 
     def check() -> None:
         for batch in first.batches(case.batch_size):

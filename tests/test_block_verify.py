@@ -358,3 +358,30 @@ def test_compiled_block_lookup_matches_its_definition(seed: int) -> None:
         bad[0] = num_chunks
         got = blocks_verified(bad, starts, ends + 1, base, size, slot, bits)
         assert got is False
+
+
+def test_records_checked_once_skip_their_checks_records_never_read_do_not(
+    tmp_path: Path,
+) -> None:
+    from yogastore.read.verified import block_memo
+
+    ref = build(tmp_path)
+    chunks = Chunks(ref)
+    memo = block_memo(ref.store.backend.url, ref.manifest)
+    ours, theirs = rank_records(ref, 0, 2), rank_records(ref, 1, 2)
+    assert read_rank(ref, 0, 2) == len(ours)
+    assert memo.records_verified(ours) and not memo.records_verified(theirs)
+    # Damage in a block only rank 1 reads: rank 0 reads on, rank 1 stops, every time.
+    c, j = min(chunks.blocks(theirs) - chunks.blocks(ours))
+    _at, _n, base, size = chunks.open(c)[2]
+    chunks.flip(tmp_path, c, base + j * size)
+    assert read_rank(ref, 0, 2) == len(ours)
+    for _ in range(2):
+        with pytest.raises(yogastore.CorruptCacheError, match=rf"chunk {c} .*block {j} "):
+            read_rank(ref, 1, 2)
+    assert not memo.records_verified(theirs)
+    bad = [r for r in theirs.tolist() if (c, j) in chunks.blocks(np.array([r]))]
+    source = ref.make_source()
+    with pytest.raises(yogastore.CorruptCacheError):
+        source.gather(np.array([ours[0], bad[0]], dtype=np.int64))
+    assert not memo.records_verified(np.array([bad[0]], dtype=np.int64))

@@ -125,3 +125,23 @@ def test_killed_rebuild_keeps_the_committed_version(tmp_path: Path) -> None:
     # The killed build's chunks are leftovers for gc.
     assert [(e.version, e.committed) for e in store.gc()] == [("1", True)]
     assert firsts(store.open("d", "1")) == list(range(40))
+
+
+def test_a_reference_that_read_before_is_told_of_a_rebuild_or_delete(tmp_path: Path) -> None:
+    # Later streams of a reference share its chunk views, but not past a rebuild or delete.
+    store = y.Store(tmp_path, chunk_bytes=1024)
+    old = cache(store, lambda: records(30))
+    assert firsts(old) == list(range(30))
+    first = old.stream(shuffle=False)
+    assert [int(e["x"][0]) for e in first] == list(range(30))
+    again = old.stream(shuffle=False)
+    assert [int(e["x"][0]) for e in again] == list(range(30))
+    assert first.stats()["requests"] == 0 == again.stats()["requests"]  # views shared
+    other = y.Store(tmp_path, chunk_bytes=1024)  # another writer of the same store
+    new = cache(other, lambda: records(20, 1), rebuild=True)
+    with pytest.raises(y.DatasetChangedError, match="rebuilt"):
+        firsts(old)
+    assert firsts(new) == [(i + 1) % 256 for i in range(20)]
+    other.delete("d", "1")
+    with pytest.raises(y.DatasetChangedError, match="deleted"):
+        firsts(new)

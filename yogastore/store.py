@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,17 @@ def _is_tf_dataset(obj: Any) -> bool:
     return type(obj).__module__.startswith("tensorflow") and hasattr(obj, "element_spec")
 
 
+_SOURCES_LOCK = threading.Lock()  # DatasetRef.make_source
+
+
+def _after_fork() -> None:
+    global _SOURCES_LOCK
+    _SOURCES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class DatasetRef:
     """A committed dataset version: its manifest, schema and streams."""
 
@@ -117,6 +129,13 @@ class DatasetRef:
         self.store = store
         self.manifest = manifest
         self._element_spec = element_spec
+        self._source: LocalChunkSource | None = None  # later local sources share its views
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy sent to another process (multiprocessing pickles it) shares no views.
+        state = self.__dict__.copy()
+        state["_source"] = None
+        return state
 
     def __repr__(self) -> str:
         return (
@@ -161,8 +180,19 @@ class DatasetRef:
         return self._element_spec
 
     def make_source(self) -> ChunkSource:
-        """Return a new chunk source reading this dataset."""
-        return self.store.make_source(self.manifest)
+        """Return a new chunk source reading this dataset.
+
+        From a local store, sources of one reference share the chunk views
+        read so far (``LocalChunkSource.sibling``): a later stream does not
+        read and parse every chunk's index again.
+        """
+        with _SOURCES_LOCK:
+            twin = self._source.sibling() if self._source is not None else None
+            if twin is not None:
+                return twin
+            source = self.store.make_source(self.manifest)
+            self._source = source if isinstance(source, LocalChunkSource) else None
+            return source
 
     def _shuffle(self, shuffle: bool | Shuffle) -> Shuffle:
         if isinstance(shuffle, Shuffle):

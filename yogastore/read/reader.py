@@ -13,8 +13,10 @@ Whole chunks are verified by ``verify_chunk`` (``yogastore verify``,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -199,6 +201,27 @@ class LocalChunkSource:
         self._checksums = [c.checksum for c in manifest.chunks]
         # Any key of the version names the file its views map.
         self._mapped_key = manifest.key
+        self._pid = os.getpid()
+
+    def sibling(self) -> LocalChunkSource | None:
+        """A new source sharing this one's chunk views, or ``None`` if they may be stale.
+
+        Views are shared only in the process that made them, and only while
+        the build they belong to is still stored (its chunk keys name the
+        build: a delete or a rebuild since removed them): a later stream of
+        the same reference then neither reads nor parses a chunk index
+        again. The new source counts its own statistics.
+        """
+        if self._pid != os.getpid() or not self.manifest.chunks:
+            return None
+        try:
+            if not self.backend.exists(self.manifest.chunks[0].key):
+                return None
+        except YogaStoreError:
+            return None
+        twin = copy.copy(self)
+        twin.stats = ReadStats()
+        return twin
 
     def view(self, chunk: int) -> ChunkView:
         """Return the view of one chunk, its length and index verified."""
@@ -258,18 +281,21 @@ class LocalChunkSource:
         self.backend.check_mapped(self._mapped_key)
         if not self._all_loaded:
             new = np.unique(which[~self._loaded[which]]).tolist()
+            if not new:  # a sibling may have viewed them all
+                self._all_loaded = bool(self._loaded.all())
             chunks = self.manifest.chunks
             for c in new if len(new) > 1 else ():  # their indexes, read in parallel
                 self._will_read(c, functools.partial(prefix_span, chunks[c].index_bytes))
             for c in new:
                 self.view(c)
         memo = self._memo
-        if not memo.all_complete:
+        if not memo.all_complete and not memo.records_verified(records):
             pending = ~memo.complete[which]
             if pending.all():
                 self._verify(which, local)
             elif pending.any():
                 self._verify(which[pending], local[pending])
+            memo.mark_records(records)
         # Strings stay in place only inside one memory map: all bytes an array
         # spanning them covers are then readable.
         region = self.backend.mapped_span(self._mapped_key) if in_place else None
@@ -312,4 +338,4 @@ class LocalChunkSource:
             self._advise[chunk] = self.backend.will_read(key, starts, ends)
 
     def close(self) -> None:
-        self._views.clear()
+        """Nothing to release: views go with the last source sharing them."""

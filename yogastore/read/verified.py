@@ -28,6 +28,10 @@ Rules this module keeps:
   costs nothing. A batch whose blocks were all verified before, in chunks
   not complete, costs one compiled call (``_gather.blocks_verified``; the
   numpy path of ``verify_blocks`` is its definition).
+* A batch all of whose records were verified before (every column's bytes
+  of each record) costs one lookup in a bit per record of the version (for
+  versions of at most ``_RECORD_BITS`` records): the steady state of a rank
+  after its first epoch, without locating a single byte range.
 * Fork: a child inherits the memo (the bytes it marks are those of the same
   committed build, named by its chunk keys) with fresh locks.
 """
@@ -59,6 +63,7 @@ __all__ = ["BlockMemo", "block_memo", "check_regions", "verify_blocks"]
 Spans = tuple[list[int], list[int]]  # byte ranges: starts, ends
 _WHOLE_SHARE = 4  # a quarter of a chunk's blocks at once: one hash of the whole chunk
 _BIT = np.left_shift(np.uint8(1), np.arange(8, dtype=np.uint8))
+_RECORD_BITS = 1 << 28  # versions with more records keep no record bits (32 MiB at most)
 
 
 class BlockMemo:
@@ -66,9 +71,10 @@ class BlockMemo:
 
     Args:
         num_chunks: chunks of the version.
+        num_records: records of the version.
     """
 
-    def __init__(self, num_chunks: int) -> None:
+    def __init__(self, num_chunks: int, num_records: int = 0) -> None:
         self.lock = threading.Lock()
         self.slot = np.full(num_chunks, -1, dtype=np.int64)  # first bit; -1: index unchecked
         self.base = np.zeros(num_chunks, dtype=np.int64)  # data area start
@@ -80,6 +86,24 @@ class BlockMemo:
         self._completed = 0
         self._bits = np.zeros(0, dtype=np.uint8)
         self._used = 0
+        self._num_records = num_records
+        self._records: npt.NDArray[np.uint8] | None = None  # a bit per verified record
+
+    def records_verified(self, records: IntArray) -> bool:
+        """Whether every byte of these records (in range) was verified (``mark_records``)."""
+        bits = self._records
+        if bits is None or not len(records):
+            return False
+        return bool((bits[records >> 3] & _BIT[records & 7]).all())
+
+    def mark_records(self, records: IntArray) -> None:
+        """Mark records (in range) all of whose bytes, in every column, were verified."""
+        if not len(records) or self._num_records > _RECORD_BITS:
+            return
+        with self.lock:
+            if self._records is None:
+                self._records = np.zeros(-(-self._num_records // 8), dtype=np.uint8)
+            np.bitwise_or.at(self._records, records >> 3, _BIT[records & 7])
 
     def index_verified(self, chunk: int) -> bool:
         return bool(self.slot[chunk] >= 0)
@@ -150,7 +174,7 @@ def block_memo(url: str, manifest: Manifest) -> BlockMemo:
     with _MEMOS_LOCK:
         memo = _MEMOS.get(token)
         if memo is None:
-            memo = _MEMOS[token] = BlockMemo(len(manifest.chunks))
+            memo = _MEMOS[token] = BlockMemo(len(manifest.chunks), manifest.num_records)
         return memo
 
 
