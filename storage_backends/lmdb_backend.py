@@ -86,6 +86,7 @@ _REOPEN_PAUSE = 0.02
 _LOCK_SUFFIX = ".lock"
 _RESIDENT = 0.9  # a value this much in the page cache is read without advice
 _WRITE_MARGIN = 1 << 20  # bytes beyond a value a commit may need (pages, metas)
+_WRITEBACK_BYTES = 32 << 20  # committed bytes after which writing them to disk starts
 # LMDB failures that mean the file itself is damaged.
 _CORRUPT = (
     lmdb.CorruptedError,
@@ -196,6 +197,7 @@ class _Env:
         self.maps = 0  # mappings made; after the first, views may lie in older ones
         self.cached: dict[bytes, bool] = {}  # values found in the page cache when first announced
         self.write_checked = False  # structure checked before this process's first write
+        self.unsynced = 0  # bytes committed since writeback was last started
         self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
 
     # Reading ------------------------------------------------------------------
@@ -426,11 +428,21 @@ class _Env:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    return bool(txn.put(key, data, overwrite=overwrite))
+                    written = bool(txn.put(key, data, overwrite=overwrite))
+                self._written(len(data))
+                return written
             except lmdb.MapFullError:
                 self._grow()
             except lmdb.Error as err:
                 raise translate_error(err, self.path, "write", needed=len(data)) from err
+
+    def _written(self, nbytes: int) -> None:
+        # Commits do not sync (the manifest's put does): start the disk on what was
+        # written every _WRITEBACK_BYTES, so the final sync finds little left to do.
+        self.unsynced += nbytes
+        if self.unsynced >= _WRITEBACK_BYTES:
+            self.unsynced = 0
+            lmdb_pages.start_writeback(self.fd)
 
     def delete(self, key: bytes) -> None:
         self._writable()
