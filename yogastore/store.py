@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -129,7 +130,8 @@ class DatasetRef:
         self.store = store
         self.manifest = manifest
         self._element_spec = element_spec
-        self._source: LocalChunkSource | None = None  # later local sources share its views
+        # The newest local source: a source made while it lives shares its views.
+        self._source: weakref.ref[LocalChunkSource] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process (multiprocessing pickles it) shares no views.
@@ -182,16 +184,19 @@ class DatasetRef:
     def make_source(self) -> ChunkSource:
         """Return a new chunk source reading this dataset.
 
-        From a local store, sources of one reference share the chunk views
-        read so far (``LocalChunkSource.sibling``): a later stream does not
-        read and parse every chunk's index again.
+        From a local store, a source made while another of this reference is
+        alive shares its chunk views (``LocalChunkSource.sibling``): a stream
+        made before the last one is dropped does not read and parse every
+        chunk's index again. The reference itself holds no views: they pin
+        the build's pages (a rebuild could not reuse them, a delete could not
+        free them) for as long as a source uses them, and no longer.
         """
         with _SOURCES_LOCK:
-            twin = self._source.sibling() if self._source is not None else None
-            if twin is not None:
-                return twin
-            source = self.store.make_source(self.manifest)
-            self._source = source if isinstance(source, LocalChunkSource) else None
+            newest = self._source() if self._source is not None else None
+            twin = newest.sibling() if newest is not None else None
+            source: ChunkSource = twin or self.store.make_source(self.manifest)
+            if isinstance(source, LocalChunkSource):
+                self._source = weakref.ref(source)
             return source
 
     def _shuffle(self, shuffle: bool | Shuffle) -> Shuffle:
