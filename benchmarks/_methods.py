@@ -225,7 +225,7 @@ def _stream(ctx: Context, epochs: int) -> Any:
 def stream_numpy(ctx: Context) -> dict[str, Any]:
     case = ctx.case
     verifier = Verifier(ctx.data)
-    # A fresh reference: later streams of one share what it fetched (stats count nothing).
+    # A fresh reference: a stream made while another of its reference lives fetches nothing.
     fresh = ctx.ref.store.open(ctx.ref.dataset_id, ctx.ref.version)
     first = fresh.stream(
         shard_rank=case.shard_rank,
