@@ -130,14 +130,18 @@ class DatasetRef:
         self.store = store
         self.manifest = manifest
         self._element_spec = element_spec
-        # The newest local source: a source made while it lives shares its views.
-        self._source: weakref.ref[LocalChunkSource] | None = None
+        # Its local sources still in use: a new one shares their views.
+        self._sources: weakref.WeakSet[LocalChunkSource] = weakref.WeakSet()
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process (multiprocessing pickles it) shares no views.
         state = self.__dict__.copy()
-        state["_source"] = None
+        del state["_sources"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._sources = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return (
@@ -192,11 +196,13 @@ class DatasetRef:
         free them) for as long as a source uses them, and no longer.
         """
         with _SOURCES_LOCK:
-            newest = self._source() if self._source is not None else None
-            twin = newest.sibling() if newest is not None else None
+            live = next(iter(self._sources), None)
+            twin = live.sibling() if live is not None else None
             source: ChunkSource = twin or self.store.make_source(self.manifest)
             if isinstance(source, LocalChunkSource):
-                self._source = weakref.ref(source)
+                if twin is None:  # views of a build no longer stored: share none of them
+                    self._sources.clear()
+                self._sources.add(source)
             return source
 
     def _shuffle(self, shuffle: bool | Shuffle) -> Shuffle:
