@@ -211,9 +211,9 @@ def _rss_breakdown() -> dict[str, float]:
 # (c) stream.batches and (d) in-memory gather ------------------------------------------
 
 
-def _stream(ctx: Context, epochs: int) -> Any:
+def _stream(ctx: Context, epochs: int, ref: Any = None) -> Any:
     case = ctx.case
-    return ctx.ref.stream(
+    return (ref or ctx.ref).stream(
         shard_rank=case.shard_rank,
         num_shards=case.num_shards,
         shuffle=True,
@@ -226,14 +226,7 @@ def stream_numpy(ctx: Context) -> dict[str, Any]:
     case = ctx.case
     verifier = Verifier(ctx.data)
     # A fresh reference: a stream made while another of its reference lives fetches nothing.
-    fresh = ctx.ref.store.open(ctx.ref.dataset_id, ctx.ref.version)
-    first = fresh.stream(
-        shard_rank=case.shard_rank,
-        num_shards=case.num_shards,
-        shuffle=True,
-        seed=case.seed,
-        num_epochs=1,
-    )
+    first = _stream(ctx, 1, ctx.ref.store.open(ctx.ref.dataset_id, ctx.ref.version))
 
     def check() -> None:
         for batch in first.batches(case.batch_size):

@@ -247,12 +247,10 @@ def start_writeback(fd: int) -> None:
 
 @functools.cache
 def _writeback() -> Any:
-    try:
-        func = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    func.restype = ctypes.c_int
+    func = getattr(_c(), "sync_file_range", None)
+    if func is not None:
+        func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        func.restype = ctypes.c_int
     return func
 
 

@@ -45,6 +45,6 @@ def test_writes_start_the_disk_on_every_threshold_of_committed_bytes(
         backend.close()
     # Without the system call it does nothing, and says nothing.
     lmdb_pages._writeback.cache_clear()
-    monkeypatch.setattr(lmdb_pages.ctypes, "CDLL", lambda *a, **k: object())
+    monkeypatch.setattr(lmdb_pages, "_c", object)  # a C library without the call
     real(0)
     lmdb_pages._writeback.cache_clear()

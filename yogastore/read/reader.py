@@ -282,7 +282,7 @@ class LocalChunkSource:
         if not self._all_loaded:
             new = np.unique(which[~self._loaded[which]]).tolist()
             if not new:  # a sibling may have viewed them all
-                self._all_loaded = bool(self._loaded.all())
+                self._all_loaded = len(self._views) == len(self._loaded)
             chunks = self.manifest.chunks
             for c in new if len(new) > 1 else ():  # their indexes, read in parallel
                 self._will_read(c, functools.partial(prefix_span, chunks[c].index_bytes))
