@@ -357,10 +357,10 @@ class _Env:
         """
         snap = self.snapshot
         spot = snap.spots.get(key) if snap is not None and snap.spots else None
-        if spot is None:
-            return True  # not read yet
         mapped = self.mapped
-        if mapped is not None and spot.offset + spot.size <= mapped.size:
+        if spot is None or mapped is None:
+            return True  # not read yet (a listing locates values, but reads none)
+        if spot.offset + spot.size <= mapped.size:
             # Once per value: one in the page cache when first announced needs no
             # advice (the data fits in memory); one that is not keeps getting it.
             cached = self.cached.get(key)
