@@ -6,6 +6,8 @@ Rows of one case, side by side on the same records:
 (a)  ``TFRecordDataset`` sequential, batched, ``parse_example``;
 (e3) ``TFRecordDataset.shard(4, 0).shuffle(10000)``, batched, parsed (what users do today);
 (b)  ``stream(shuffle, 4 shards).to_tf_dataset(256)``;
+(a'), (e3'), (b') the same three datasets consumed inside TensorFlow (``Dataset.reduce``,
+     as ``Model.fit`` takes its batches) instead of by a Python loop;
 (b1) (b) with the library's string kernel switched off (strings as arrays of ``bytes``);
 (b0) (b)'s batches prepared in memory beforehand and handed to tf.data by ``from_generator``
      as (b) hands them over (no read: the ceiling of that hand-over);
@@ -42,6 +44,7 @@ from benchmarks._common import (
     Case,
     Tally,
     consume,
+    graph_consume,
     index_batches,
     plan_passes,
     repeat_runs,
@@ -277,6 +280,46 @@ def _stream(ctx: VarContext, epochs: int) -> Any:
     )
 
 
+def _python_consume(ds: Any) -> Tally:
+    return consume(ds, tf_labels)
+
+
+def _timed_tf_rows(
+    ctx: VarContext,
+    key: str,
+    name: str,
+    make: Callable[[int], Any],
+    per_pass: np.ndarray,
+    expected: Callable[[int], np.ndarray],
+    in_graph: bool = False,
+    **extra: Any,
+) -> list[dict[str, Any]]:
+    """The row ``key``, consumed by a Python loop; with ``in_graph`` also the row ``key'``.
+
+    ``key'`` times the same dataset consumed inside TensorFlow (``Dataset.reduce`` of the
+    record count and label sum, as ``Model.fit`` takes batches inside its step function),
+    with no Python call per batch. Both rows share the one untimed pass that checks every
+    record's bytes.
+    """
+    case = ctx.case
+    checker = Checker(ctx.recs)
+    check_tf(make(1), checker, case.kind == "text")
+    verified = checker.result(per_pass)
+    rows = []
+    consumers: list[tuple[str, Callable[[Any], Tally]]] = [("", _python_consume)]
+    if in_graph:
+        consumers.append(("'", graph_consume))
+    for suffix, run in consumers:
+        passes = plan_passes(case, len(per_pass), lambda p: run(make(p)))  # noqa: B023
+        ds = make(passes)
+        runs = repeat_runs(lambda: run(ds), case.repeats, expected(passes))  # noqa: B023
+        fields = {**runs, "passes": passes, "verified": verified, **extra}
+        if suffix:
+            fields["note"] = "consumed in the graph (Dataset.reduce)"
+        rows.append(_row(key + suffix, name, case, **fields))
+    return rows
+
+
 def _timed_tf_row(
     ctx: VarContext,
     key: str,
@@ -286,29 +329,27 @@ def _timed_tf_row(
     expected: Callable[[int], np.ndarray],
     **extra: Any,
 ) -> dict[str, Any]:
-    case = ctx.case
-    checker = Checker(ctx.recs)
-    check_tf(make(1), checker, case.kind == "text")
-    passes = plan_passes(case, len(per_pass), lambda p: consume(make(p), tf_labels))
-    ds = make(passes)
-    runs = repeat_runs(lambda: consume(ds, tf_labels), case.repeats, expected(passes))
-    return _row(key, name, case, **runs, passes=passes, verified=checker.result(per_pass), **extra)
+    return _timed_tf_rows(ctx, key, name, make, per_pass, expected, **extra)[0]
 
 
-def tfrecord_rows(ctx: VarContext, prefix: str = "") -> list[dict[str, Any]]:
+def tfrecord_rows(
+    ctx: VarContext, prefix: str = "", shard_shuffle: bool = True, in_graph: bool = True
+) -> list[dict[str, Any]]:
+    """(a) and (e3), each also consumed in the graph ((a'), (e3')) with ``in_graph``."""
     case = ctx.case
     labels = ctx.recs.labels
     shard = labels[case.shard_rank :: case.num_shards]
-    return [
-        _timed_tf_row(
-            ctx,
-            f"{prefix}a",
-            "TFRecordDataset sequential, batched, parse_example",
-            lambda p: tfrecord_batches(ctx.tfrecord, case, p),
-            labels,
-            lambda p: np.tile(labels, p),
-        ),
-        _timed_tf_row(
+    rows = _timed_tf_rows(
+        ctx,
+        f"{prefix}a",
+        "TFRecordDataset sequential, batched, parse_example",
+        lambda p: tfrecord_batches(ctx.tfrecord, case, p),
+        labels,
+        lambda p: np.tile(labels, p),
+        in_graph,
+    )
+    if shard_shuffle:
+        rows += _timed_tf_rows(
             ctx,
             f"{prefix}e3",
             f"TFRecordDataset.shard({case.num_shards}, {case.shard_rank})"
@@ -316,19 +357,22 @@ def tfrecord_rows(ctx: VarContext, prefix: str = "") -> list[dict[str, Any]]:
             lambda p: tfrecord_batches(ctx.tfrecord, case, p, shard_shuffle=True),
             shard,
             lambda p: np.tile(shard, p),
-        ),
-    ]
+            in_graph,
+        )
+    return rows
 
 
-def stream_tf_row(ctx: VarContext, key: str = "b") -> dict[str, Any]:
+def stream_tf_rows(ctx: VarContext, key: str = "b", in_graph: bool = True) -> list[dict[str, Any]]:
+    """(b), and with ``in_graph`` (b') (the same stream consumed in the graph)."""
     case = ctx.case
-    return _timed_tf_row(
+    return _timed_tf_rows(
         ctx,
         key,
         f"stream(shuffle, {case.num_shards} shards).to_tf_dataset({case.batch_size})",
         lambda p: _stream(ctx, p).to_tf_dataset(batch_size=case.batch_size),
         stream_indices(ctx.ref, case, 1),
         lambda p: stream_indices(ctx.ref, case, p),
+        in_graph,
     )
 
 

@@ -62,6 +62,8 @@ CONTENDED_TARGET = ("(k2) / (k1), one core busy", "k2", "k1", ">=", 1.5)
 VAR_TARGETS = (
     ("(b) tf.data / (a) TFRecordDataset", "b", "a", ">=", 2.0),
     ("(b) tf.data / (e3) shard+shuffle", "b", "e3", ">=", 5.0),
+    ("(b') / (a'), consumed in the graph", "b'", "a'", ">=", 2.0),
+    ("(b') / (e3'), consumed in the graph", "b'", "e3'", ">=", 5.0),
     ("(c) batches / (d) memory gather", "c", "d", ">=", 0.6),
     ("(c) batches / (p) Grain+ArrayRecord", "c", "p", ">=", 2.0),
     ("(g) build / (iteration + write)", "g", None, "<=", 1.5),
@@ -239,7 +241,7 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
     shim = types.SimpleNamespace(case=case, ref=ref, data=recs.x, work=work)
     steps: list[tuple[str, str, Any]] = [
         ("a", "TFRecord", lambda: _varlen.tfrecord_rows(ctx)),
-        ("b", "stream -> tf.data", lambda: [_varlen.stream_tf_row(ctx)]),
+        ("b", "stream -> tf.data", lambda: _varlen.stream_tf_rows(ctx)),
         ("b1", "stream -> tf.data, no kernel", lambda: [_varlen.stream_tf_objects_row(ctx)]),
         ("b0", "from_generator ceiling", lambda: [_varlen.generator_ceiling_row(ctx)]),
         ("c", "stream.batches", lambda: _varlen.stream_numpy_rows(ctx)),
@@ -256,8 +258,8 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
                 "under load",
                 lambda: _peers.contended_rows(
                     ctx,
-                    lambda: _varlen.tfrecord_rows(ctx)[0],
-                    lambda: _varlen.stream_tf_row(ctx),
+                    lambda: _varlen.tfrecord_rows(ctx, shard_shuffle=False, in_graph=False)[0],
+                    lambda: _varlen.stream_tf_rows(ctx, in_graph=False)[0],
                 ),
             )
         )
@@ -378,7 +380,7 @@ def format_case(result: dict[str, Any]) -> str:
         f"(+8 B label), batch {case['batch_size']}, rank {case['shard_rank']} of "
         f"{case['num_shards']}; yogastore {result['chunks']} chunks "
         f"{_fmt_bytes(result['dataset_bytes'])}, TFRecord {_fmt_bytes(result['tfrecord_bytes'])}",
-        f"{'':4}{'method':<58}{'records':>9}{'records/s':>12}{'MB/s':>9}"
+        f"{'':6}{'method':<58}{'records':>9}{'records/s':>12}{'MB/s':>9}"
         f"{'read/rank/epoch':>17}{'peak RSS':>10}  checks",
     ]
     for r in result["rows"]:
@@ -397,7 +399,7 @@ def format_case(result: dict[str, Any]) -> str:
         rss_text = f"{rss:,.0f} MiB" if rss else "-"
         key = f"({r['key']})"
         lines.append(
-            f"{key:<5}{r['name'][:57]:<58}{records:>9}{per_s:>12}{mbps:>9}"
+            f"{key:<6}{r['name'][:57]:<58}{records:>9}{per_s:>12}{mbps:>9}"
             f"{_fmt_bytes(r.get('read_per_epoch')):>17}{rss_text:>10}  {status}"
         )
     lines.append("targets:")

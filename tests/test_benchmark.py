@@ -52,7 +52,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
 
 
 FIXED_KEYS = ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2", "g3"]
-VAR_KEYS = ["a", "e3", "b", "b1", "b0", "c", "c2", "c3", "d", "p"]
+VAR_KEYS = ["a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "c", "c2", "c3", "d", "p"]
 FIXED_TARGETS = [
     "(b) tf.data / (a) TFRecordDataset",
     "(c) batches / (d) numpy gather",
@@ -62,6 +62,8 @@ FIXED_TARGETS = [
 VAR_TARGETS = [
     "(b) tf.data / (a) TFRecordDataset",
     "(b) tf.data / (e3) shard+shuffle",
+    "(b') / (a'), consumed in the graph",
+    "(b') / (e3'), consumed in the graph",
     "(c) batches / (d) memory gather",
     "(c) batches / (p) Grain+ArrayRecord",
     "(g) build / (iteration + write)",
@@ -92,7 +94,7 @@ def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
     assert doc["machine"]["nproc"] >= 1
 
 
-VAR_TIMED = ("a", "e3", "b", "b1", "b0", "c", "c2", "c3", "d", "p", "k1", "k2")
+VAR_TIMED = ("a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "c", "c2", "c3", "d", "p", "k1", "k2")
 
 
 @pytest.mark.slow
@@ -111,7 +113,8 @@ def test_variable_length_rows_read_exact_bytes(tiny_run: tuple[dict, str], key: 
         assert check["byte_sum"] == check["expected_byte_sum"] > 0
         n, shards, rank = spec["records"], spec["num_shards"], spec["shard_rank"]
         span = (rank + 1) * n // shards - rank * n // shards
-        one_pass = {"a": n, "k1": n, "e3": len(range(rank, n, shards))}.get(key, span)
+        sharded = len(range(rank, n, shards))
+        one_pass = {"a": n, "a'": n, "k1": n, "e3": sharded, "e3'": sharded}.get(key, span)
         assert check["records"] == check["expected_records"] == one_pass
         assert row["runs_ok"] and row["records_per_run"] == row["passes"] * one_pass
         assert row["rate"] > 0
