@@ -219,3 +219,100 @@ def test_string_chunks_are_cut_by_their_bytes(tmp_path: Path) -> None:
     )
     assert max(c.nbytes for c in ref.manifest.chunks) < 65536 + 12_000
     assert [bytes(r) for r in ref.stream(shuffle=False)] == [b"x" * 10_000] * 60
+
+
+# Dense strings reach the chunk writer packed: one buffer and row splits per batch.
+
+
+def test_packed_strings_are_checked_and_slice_in_order() -> None:
+    from yogastore.format.encode import PackedStrings
+
+    packed = PackedStrings.of(b"abcdef", [0, 2, 0, 4])
+    assert len(packed) == 4 and packed.nbytes == 6
+    assert packed.offsets.tolist() == [0, 0, 2, 2, 6]
+    part = packed[1:3]
+    assert len(part) == 2 and part.lengths().tolist() == [2, 0]
+    assert part.piece().tobytes() == b"ab"
+    assert len(packed[3:1]) == 0 and packed[3:1].nbytes == 0
+    with pytest.raises(UnsupportedElementError, match="add up to 5 bytes, the buffer has 6"):
+        PackedStrings.of(b"abcdef", [1, 4])
+    with pytest.raises(UnsupportedElementError, match="negative"):
+        PackedStrings.of(b"ab", [3, -1])
+    with pytest.raises(UnsupportedElementError, match="flat uint8"):
+        PackedStrings.of(np.zeros(2, np.int16), [1, 1])
+    with pytest.raises(IndexError, match="in order"):
+        packed[::2]
+
+
+def test_packed_and_listed_strings_of_one_column_encode_in_order() -> None:
+    """Slabs of packed strings, cut anywhere, beside listed strings: the same chunk bytes."""
+    from yogastore.format.encode import PackedStrings
+
+    rng = np.random.default_rng(3)
+    strings = [rng.bytes(int(k)) for k in rng.integers(0, 40, size=60)]
+    strings[7] = strings[8] = b""
+    columns = [ColumnSpec("bytes", "string", ()), ColumnSpec("fixed", "int64", ())]
+
+    def slab(lo: int, hi: int, values: Any) -> Slab:
+        return Slab(hi - lo, ((np.zeros((hi - lo, 0), np.int64), values), np.arange(lo, hi)))
+
+    packed = slab(0, 50, PackedStrings.of(b"".join(strings[:50]), [len(s) for s in strings[:50]]))
+    sizes = packed.record_bytes(columns)
+    mixed = ChunkBuilder(columns)
+    for start, stop in [(0, 7), (7, 9), (9, 9), (9, 50)]:
+        before = mixed.nbytes
+        mixed.add_slab(packed.take(columns, start, stop))
+        assert mixed.nbytes - before == int(sizes[start:stop].sum())
+    mixed.add_slab(slab(50, 60, strings[50:]))
+    listed = ChunkBuilder(columns)
+    listed.add_slab(slab(0, 60, strings))
+    assert mixed.count == listed.count == 60 and mixed.nbytes == listed.nbytes
+    assert mixed.encode() == listed.encode()
+
+
+def test_a_packed_slab_with_the_wrong_number_of_strings_is_refused() -> None:
+    from yogastore.format.encode import PackedStrings
+
+    builder = ChunkBuilder([ColumnSpec("bytes", "string", ())])
+    packed = PackedStrings.of(b"abc", [1, 2])
+    with pytest.raises(UnsupportedElementError, match="2 strings for records of 3 elements"):
+        builder.add_slab(Slab(3, ((np.zeros((3, 0), np.int64), packed),)))
+
+
+@pytest.mark.parametrize("form", ["tuple", "namedtuple", "single", "dict"])
+def test_dense_strings_of_any_element_structure_round_trip(tmp_path: Path, form: str) -> None:
+    """tf.data passes a tuple element's items as arguments; other structures as one."""
+    import collections
+
+    texts = ["", "héllo", "a\x00b", "日本語のテキスト" * 40, "x" * 3000] * 130
+    grid = [[t, t[:3]] for t in texts]
+    labels = np.arange(len(texts), dtype=np.int64)
+    pair = collections.namedtuple("pair", ["text", "label"])
+    make: dict[str, Any] = {
+        "tuple": lambda: (texts, grid, labels),
+        "namedtuple": lambda: pair(texts, labels),
+        "single": lambda: texts,
+        "dict": lambda: {"text": texts, "grid": grid, "label": labels},
+    }
+    ds = tf.data.Dataset.from_tensor_slices(make[form]())
+    store = yogastore.Store(tmp_path, chunk_bytes=16 << 10)
+    ref = store.cache("s", "1", lambda: ds, progress=yogastore.NullProgress())
+    assert ref.num_records == len(texts) and len(ref.manifest.chunks) > 10
+    got = list(ref.stream(shuffle=False))
+    want = [t.encode() for t in texts]
+    if form == "single":
+        assert [bytes(g) for g in got] == want
+        return
+    if form == "dict":
+        assert [bytes(g["text"]) for g in got] == want
+        assert [[bytes(v) for v in g["grid"]] for g in got] == [
+            [t.encode(), t[:3].encode()] for t in texts
+        ]
+        assert [int(g["label"]) for g in got] == labels.tolist()
+        return
+    assert [bytes(g[0]) for g in got] == want
+    if form == "tuple":
+        assert [[bytes(v) for v in g[1]] for g in got] == [
+            [t.encode(), t[:3].encode()] for t in texts
+        ]
+    assert [int(g[-1]) for g in got] == labels.tolist()

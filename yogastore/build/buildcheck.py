@@ -27,6 +27,7 @@ from storage_backends.errors import (
 )
 from yogastore.build.writer import SourceItem, chunk_key_prefix
 from yogastore.checks import check_int
+from yogastore.format.encode import PackedStrings
 from yogastore.format.manifest import Manifest
 from yogastore.spec import ComponentSpec, Kind, Schema
 
@@ -199,7 +200,12 @@ def _slab_bytes(slab: Any) -> int:
     total = 0
     for data in slab.columns:
         values = data if isinstance(data, np.ndarray) else data[1]
-        total += _value_bytes(values) if isinstance(values, np.ndarray) else sum(map(len, values))
+        if isinstance(values, PackedStrings):
+            total += values.nbytes
+        elif isinstance(values, np.ndarray):
+            total += _value_bytes(values)
+        else:
+            total += sum(map(len, values))
     return total
 
 

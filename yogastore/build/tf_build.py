@@ -6,16 +6,25 @@ with numpy slices), so the per-element Python cost is paid once per batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from yogastore.format.encode import Slab
+from yogastore.format.encode import PackedStrings, Slab
 from yogastore.format.layout import columns_for
 from yogastore.read.stream import splittable
-from yogastore.spec import STRING, Kind, RaggedValue, Schema, SparseValue, row_bytes
+from yogastore.spec import (
+    STRING,
+    ComponentSpec,
+    Kind,
+    RaggedValue,
+    Schema,
+    SparseValue,
+    row_bytes,
+)
 
 __all__ = ["dataset_items", "numpy_records"]
 
@@ -89,12 +98,28 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
     Python object per record, only per batch (strings stay one ``bytes`` each).
     """
     columns = [c for comp in schema.components for c in columns_for(comp)]
-    for batch in ds.batch(_FIRST_PASS_BATCH).prefetch(2):
-        leaves = schema.flatten(_plain(batch))
+    batched = ds.batch(_FIRST_PASS_BATCH)
+    packed = [_packable(c) for c in schema.components]
+    if any(packed):
+        # tf.data calls the function with a tuple element's items as arguments.
+        whole = type(batched.element_spec) is tuple
+        batched = batched.map(
+            lambda *e: _pack_strings(schema, packed, e if whole else e[0]),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+    for batch in batched.prefetch(2):
+        # Packed batches come as the flat tuple of the schema's leaves.
+        leaves = list(_plain(batch)) if any(packed) else schema.flatten(_plain(batch))
         n = 0
         data: list[Any] = []
-        for comp, col, leaf in zip(schema.components, columns, leaves, strict=True):
-            if comp.kind is Kind.TENSOR:
+        for comp, col, leaf, pack in zip(schema.components, columns, leaves, packed, strict=True):
+            if pack:  # dense strings, as bytes + row splits (see _pack_strings)
+                strings = PackedStrings(leaf.flat_values, leaf.nested_row_splits[0])
+                n = len(strings) // math.prod(d or 0 for d in comp.shape)
+                shapes = np.broadcast_to(np.asarray(comp.shape, np.int64), (n, col.ndim))
+                data.append((shapes, strings))
+            elif comp.kind is Kind.TENSOR:
                 arr = np.asarray(leaf)
                 n = len(arr)
                 if col.layout == "fixed":
@@ -111,6 +136,32 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
                 shapes[:, 1:] = flat.shape[1:]
                 data.append((shapes, flat))
         yield "slab", [Slab(n, tuple(data))]
+
+
+def _packable(comp: ComponentSpec) -> bool:
+    """Whether a component's batches are dense strings of a known, non-empty shape."""
+    return comp.fixed and comp.dtype == STRING and math.prod(d or 0 for d in comp.shape) > 0
+
+
+def _pack_strings(schema: Schema, packed: list[bool], element: Any) -> tuple[Any, ...]:
+    """In tf.data: each packable string component as its bytes in a ragged uint8 tensor.
+
+    One row per string (in row-major order), so the first pass takes a batch's strings
+    as one buffer and its row splits, without a Python object per string (a ``bytes``
+    each, and the chunk writer's per-string work, were most of a text build's time).
+    """
+    leaves = schema.flatten(element)
+    out = []
+    for leaf, pack in zip(leaves, packed, strict=True):
+        if pack:
+            flat = tf.reshape(leaf, [-1])
+            data = tf.io.decode_raw(tf.strings.reduce_join(flat), tf.uint8)
+            lengths = tf.strings.length(flat, unit="BYTE")
+            leaf = tf.RaggedTensor.from_row_lengths(
+                data, tf.cast(lengths, tf.int64), validate=False
+            )
+        out.append(leaf)
+    return tuple(out)
 
 
 def _plain(element: Any) -> Any:

@@ -14,7 +14,55 @@ from storage_backends.errors import UnsupportedElementError
 from yogastore.format.blocks import block_size, digest_blocks
 from yogastore.format.layout import I64, MAGIC, PREFIX, ColumnSpec, align
 
-__all__ = ["ChunkBuilder", "Region", "Slab", "encode_chunk"]
+__all__ = ["ChunkBuilder", "PackedStrings", "Region", "Slab", "encode_chunk"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PackedStrings:
+    """Strings given as one buffer: string ``i`` is ``data[offsets[i]:offsets[i + 1]]``.
+
+    A ``bytes`` column of a ``Slab`` takes them instead of one ``bytes`` object per string.
+    """
+
+    data: np.ndarray  # uint8
+    offsets: np.ndarray  # int64, [number of strings + 1]
+
+    @classmethod
+    def of(cls, data: Any, lengths: Any) -> PackedStrings:
+        """Strings of ``lengths`` bytes, one after another in ``data`` (checked)."""
+        buf = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else np.asarray(data)
+        lens = np.asarray(lengths, I64).reshape(-1)
+        if buf.dtype != np.uint8 or buf.ndim != 1:
+            raise UnsupportedElementError(f"string bytes must be flat uint8, not {buf.dtype}")
+        if (lens < 0).any():
+            raise UnsupportedElementError("a string length is negative")
+        offsets = np.zeros(len(lens) + 1, I64)
+        np.cumsum(lens, out=offsets[1:])
+        if offsets[-1] != len(buf):
+            raise UnsupportedElementError(
+                f"string lengths add up to {int(offsets[-1])} bytes, the buffer has {len(buf)}"
+            )
+        return cls(buf, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, part: slice) -> PackedStrings:
+        start, stop, step = part.indices(len(self))
+        if step != 1:
+            raise IndexError("packed strings are sliced in order only")
+        return PackedStrings(self.data, self.offsets[start : max(start, stop) + 1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.offsets[-1] - self.offsets[0])
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def piece(self) -> np.ndarray:
+        """The strings' bytes, one after another (a view)."""
+        return self.data[int(self.offsets[0]) : int(self.offsets[-1])]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +118,8 @@ def _counts(shapes: np.ndarray) -> np.ndarray:
 
 
 def _lengths(values: Any) -> np.ndarray:
+    if isinstance(values, PackedStrings):
+        return values.lengths()
     flat = values.reshape(-1) if isinstance(values, np.ndarray) else values
     return np.fromiter((len(v) for v in flat), dtype=I64, count=len(flat))
 
@@ -138,6 +188,13 @@ class ChunkBuilder:
                     )
                 parts.append(_Block(shapes, flat))
                 self.nbytes += flat.nbytes + 8 * (col.ndim + 1) * slab.n
+            elif isinstance(values, PackedStrings):
+                if len(values) != total:
+                    raise UnsupportedElementError(
+                        f"{len(values)} strings for records of {total} elements"
+                    )
+                parts.append(_Block(shapes, values))
+                self.nbytes += values.nbytes + 8 * (total + slab.n)
             else:
                 flat = values.reshape(-1) if isinstance(values, np.ndarray) else values
                 strings = [
@@ -197,13 +254,13 @@ class ChunkBuilder:
                 shapes, flats = _var_runs(col, parts)
                 counts = _counts(shapes)
                 flat = np.concatenate(flats) if flats else np.empty(0, col.np_dtype)
-                data_part: np.ndarray | bytes = np.ascontiguousarray(flat, col.np_dtype)
+                data_part: Region = np.ascontiguousarray(flat, col.np_dtype)
             else:
                 shapes, strings = _bytes_runs(col, parts)
                 counts = _counts(shapes)
-                lens = np.fromiter((len(s) for s in strings), dtype=I64, count=len(strings))
+                lens, pieces = _string_pieces(strings)
                 regions.append(("boffsets", i, np.concatenate([[0], np.cumsum(lens)]).astype(I64)))
-                data_part = b"".join(strings)
+                data_part = pieces
             if col.has_shapes:
                 regions.append(("shapes", i, shapes))
             regions.append(("offsets", i, np.concatenate([[0], np.cumsum(counts)]).astype(I64)))
@@ -262,9 +319,37 @@ def _var_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[np.nd
     return _column_runs(col, parts, lambda p: (p.shape, [p.reshape(-1)]), lambda v: [v])
 
 
-def _bytes_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[bytes]]:
-    """Shapes ``[n, ndim]`` and strings of a bytes column's records, in order."""
-    return _column_runs(col, parts, lambda p: (p[0], p[1]), lambda v: v)
+def _bytes_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[Any]]:
+    """Shapes ``[n, ndim]`` and strings of a bytes column's records, in order.
+
+    The strings are ``bytes`` and, for slabs given that way, whole ``PackedStrings``.
+    """
+    return _column_runs(
+        col, parts, lambda p: (p[0], p[1]), lambda v: [v] if isinstance(v, PackedStrings) else v
+    )
+
+
+def _string_pieces(strings: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The lengths of ``strings`` (``bytes`` and ``PackedStrings``) and their bytes in order."""
+    lens: list[np.ndarray] = []
+    pieces: list[np.ndarray] = []
+    run: list[bytes] = []
+
+    def close() -> None:
+        if run:
+            lens.append(np.fromiter(map(len, run), dtype=I64, count=len(run)))
+            pieces.append(np.frombuffer(b"".join(run), np.uint8))
+            run.clear()
+
+    for s in strings:
+        if isinstance(s, PackedStrings):
+            close()
+            lens.append(s.lengths())
+            pieces.append(s.piece())
+        else:
+            run.append(s)
+    close()
+    return (np.concatenate(lens) if lens else np.empty(0, I64)), pieces
 
 
 def _check_shape(col: ColumnSpec, shape: tuple[int, ...]) -> None:
