@@ -95,7 +95,8 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
     """Yield the records of ``ds`` as slabs: batched by tf.data, handed over column by column.
 
     For fixed-shape tensors (strings too) and rank-0 ragged components: no
-    Python object per record, only per batch (strings stay one ``bytes`` each).
+    Python object per record, only per batch (dense strings come packed, see
+    ``_pack_strings``; ragged strings stay one ``bytes`` each).
     """
     columns = [c for comp in schema.components for c in columns_for(comp)]
     batched = ds.batch(_FIRST_PASS_BATCH)
@@ -110,16 +111,20 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
         )
     for batch in batched.prefetch(2):
         # Packed batches come as the flat tuple of the schema's leaves.
-        leaves = list(_plain(batch)) if any(packed) else schema.flatten(_plain(batch))
+        leaves = list(batch) if any(packed) else schema.flatten(_plain(batch))
         n = 0
         data: list[Any] = []
         for comp, col, leaf, pack in zip(schema.components, columns, leaves, packed, strict=True):
             if pack:  # dense strings, as bytes + row splits (see _pack_strings)
-                strings = PackedStrings(leaf.flat_values, leaf.nested_row_splits[0])
+                # np.asarray shares the tensors' memory (read-only); .numpy() would copy.
+                strings = PackedStrings(np.asarray(leaf.values), np.asarray(leaf.row_splits))
                 n = len(strings) // math.prod(d or 0 for d in comp.shape)
                 shapes = np.broadcast_to(np.asarray(comp.shape, np.int64), (n, col.ndim))
                 data.append((shapes, strings))
-            elif comp.kind is Kind.TENSOR:
+                continue
+            if any(packed):  # the other leaves of the flat tuple, as _plain converts them
+                leaf = _to_numpy(leaf)
+            if comp.kind is Kind.TENSOR:
                 arr = np.asarray(leaf)
                 n = len(arr)
                 if col.layout == "fixed":
