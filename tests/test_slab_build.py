@@ -316,3 +316,33 @@ def test_dense_strings_of_any_element_structure_round_trip(tmp_path: Path, form:
             [t.encode(), t[:3].encode()] for t in texts
         ]
     assert [int(g[-1]) for g in got] == labels.tolist()
+
+
+@pytest.mark.parametrize("batch_size", [1, 5, 512, None])
+def test_components_with_no_elements_reach_tf_data(tmp_path: Path, batch_size: int | None) -> None:
+    """TensorFlow's unbatch crashes on tensors with no elements: such records are not split."""
+    n = 1300
+    texts = np.array([b"r%d" % i for i in range(n)], dtype=object)
+    source = {
+        "none": np.zeros((n, 0), np.int32),
+        "grid": np.empty((n, 2, 0), dtype=object),
+        "text": texts,
+    }
+    ds = tf.data.Dataset.from_tensor_slices(source)
+    ref = yogastore.Store(tmp_path).cache("z", "1", lambda: ds, progress=yogastore.NullProgress())
+    got: list[bytes] = []
+    for batch in ref.stream(shuffle=False).to_tf_dataset(batch_size):
+        lead = [] if batch_size is None else [int(batch["text"].shape[0])]
+        assert batch["none"].shape == [*lead, 0] and batch["grid"].shape == [*lead, 2, 0]
+        got += [bytes(t) for t in np.asarray(batch["text"]).reshape(-1)]
+    assert got == list(texts)
+
+
+def test_records_with_no_elements_and_ragged_rows_need_a_batch_size(tmp_path: Path) -> None:
+    rows = tf.RaggedTensor.from_row_lengths(tf.range(6), [2, 0, 4])
+    ds = tf.data.Dataset.from_tensor_slices({"none": np.zeros((3, 0), np.int32), "rows": rows})
+    ref = yogastore.Store(tmp_path).cache("z", "1", lambda: ds, progress=yogastore.NullProgress())
+    with pytest.raises(UnsupportedElementError, match="give a batch_size"):
+        ref.stream(shuffle=False).to_tf_dataset(None)
+    (batch,) = list(ref.stream(shuffle=False).to_tf_dataset(3))
+    assert batch["none"].shape == [3, 0] and batch["rows"].to_list() == [[0, 1], [], [2, 3, 4, 5]]

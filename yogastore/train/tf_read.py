@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from storage_backends.errors import UnsupportedElementError
 from yogastore.format.batch import StringFormat, StringRanges
 from yogastore.format.layout import ALIGN
 from yogastore.read.assemble import batch_components, element_components, slice_rows
@@ -104,13 +105,24 @@ def to_tf_dataset(
     schema = stream.ref.schema
     where = stream.ref.manifest.where
     unbatch = batch_size is None
-    if fixed_numeric(schema):
+    # TensorFlow's unbatch crashes (SIGSEGV) on a tensor with no elements, so components of
+    # records with none (a shape such as (0,) or (2, 0)) cross one batch per call, never
+    # grouped and split.
+    empty = any(c.kind is Kind.TENSOR and 0 in c.shape for c in schema.components)
+    ragged_rows = any(c.kind is Kind.RAGGED and c.ragged_rank == 0 for c in schema.components)
+    if empty and unbatch and ragged_rows:
+        raise UnsupportedElementError(
+            f"{where}: to_tf_dataset(batch_size=None) cannot yield records that have both a "
+            "component with no elements (a zero in its shape) and a ragged_rank-0 ragged "
+            "component; give a batch_size, or read with Stream.batches"
+        )
+    if fixed_numeric(schema) and not empty:
         return _fixed_dataset(stream, schema, batch_size, drop_remainder)
-    if unbatch and not any(c.kind is Kind.RAGGED and c.ragged_rank == 0 for c in schema.components):
+    if unbatch and not ragged_rows:
         # (A ragged_rank-0 component comes out of unbatching a batch, as in
         # the source; per element it would be a dense TensorSpec.)
         return _per_element_dataset(stream, schema)
-    if batch_size is not None and splittable(schema):
+    if batch_size is not None and splittable(schema) and not empty:
         return _grouped_dataset(stream, schema, batch_size, drop_remainder)
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     static = size if (drop_remainder and not unbatch) else None
