@@ -346,3 +346,17 @@ def test_records_with_no_elements_and_ragged_rows_need_a_batch_size(tmp_path: Pa
         ref.stream(shuffle=False).to_tf_dataset(None)
     (batch,) = list(ref.stream(shuffle=False).to_tf_dataset(3))
     assert batch["none"].shape == [3, 0] and batch["rows"].to_list() == [[0, 1], [], [2, 3, 4, 5]]
+
+
+def test_batches_of_long_and_short_strings_alternate_in_one_first_pass(tmp_path: Path) -> None:
+    """Short strings reach the writer joined, long ones as they are: both in one build."""
+    rng = np.random.default_rng(9)
+    sizes = [*rng.integers(2500, 9000, 512), *rng.integers(0, 40, 512), *rng.integers(0, 9000, 700)]
+    texts = [rng.bytes(int(k)) for k in sizes]
+    grid = np.array([[t, t[:7]] for t in texts], dtype=object)
+    ds = tf.data.Dataset.from_tensor_slices({"t": np.array(texts, dtype=object), "g": grid})
+    store = yogastore.Store(tmp_path, chunk_bytes=256 << 10)
+    ref = store.cache("s", "1", lambda: ds, progress=yogastore.NullProgress())
+    got = list(ref.stream(shuffle=False))
+    assert [bytes(g["t"]) for g in got] == texts
+    assert [[bytes(v) for v in g["g"]] for g in got] == grid.tolist()
