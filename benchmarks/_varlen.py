@@ -320,18 +320,6 @@ def _timed_tf_rows(
     return rows
 
 
-def _timed_tf_row(
-    ctx: VarContext,
-    key: str,
-    name: str,
-    make: Callable[[int], Any],
-    per_pass: np.ndarray,
-    expected: Callable[[int], np.ndarray],
-    **extra: Any,
-) -> dict[str, Any]:
-    return _timed_tf_rows(ctx, key, name, make, per_pass, expected, **extra)[0]
-
-
 def tfrecord_rows(
     ctx: VarContext, prefix: str = "", shard_shuffle: bool = True, in_graph: bool = True
 ) -> list[dict[str, Any]]:
@@ -391,7 +379,7 @@ def stream_tf_objects_row(ctx: VarContext) -> dict[str, Any]:
             else:
                 os.environ["YOGASTORE_TF_OPS"] = before
 
-    return _timed_tf_row(
+    return _timed_tf_rows(
         ctx,
         "b1",
         "(b) without the string kernel (YOGASTORE_TF_OPS=0)",
@@ -399,7 +387,7 @@ def stream_tf_objects_row(ctx: VarContext) -> dict[str, Any]:
         stream_indices(ctx.ref, case, 1),
         lambda p: stream_indices(ctx.ref, case, p),
         note="strings as numpy arrays of bytes",
-    )
+    )[0]
 
 
 def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
@@ -480,7 +468,7 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
         ds = ds.map(regroup, num_parallel_calls=calls, deterministic=True)
         return ds.unbatch().prefetch(tf.data.AUTOTUNE)
 
-    return _timed_tf_row(
+    return _timed_tf_rows(
         ctx,
         "b0",
         f"(b)'s batches prepared in memory, handed over as (b) does ({k} per call)",
@@ -488,7 +476,7 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
         order,
         lambda p: np.tile(order, p),
         note="ceiling of the from_generator hand-over (no read, no check)",
-    )
+    )[0]
 
 
 def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:

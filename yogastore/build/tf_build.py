@@ -103,7 +103,8 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
     columns = [c for comp in schema.components for c in columns_for(comp)]
     batched = ds.batch(_FIRST_PASS_BATCH)
     packed = [_packable(c) for c in schema.components]
-    if any(packed):
+    packing = any(packed)
+    if packing:
         # tf.data calls the function with a tuple element's items as arguments.
         whole = type(batched.element_spec) is tuple
         batched = batched.map(
@@ -113,7 +114,7 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
         )
     for batch in batched.prefetch(2):
         # Packed batches come as a flat tuple: the schema's leaves, three per packable one.
-        leaves = iter(batch) if any(packed) else iter(schema.flatten(_plain(batch)))
+        leaves = iter(batch) if packing else iter(schema.flatten(_plain(batch)))
         n = 0
         data: list[Any] = []
         for comp, col, pack in zip(schema.components, columns, packed, strict=True):
@@ -128,7 +129,7 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
                 data.append((shapes, strings))
                 continue
             leaf = next(leaves)
-            if any(packed):  # the other leaves of the flat tuple, as _plain converts them
+            if packing:  # the other leaves of the flat tuple, as _plain converts them
                 leaf = _to_numpy(leaf)
             if comp.kind is Kind.TENSOR:
                 arr = np.asarray(leaf)
