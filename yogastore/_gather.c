@@ -30,6 +30,14 @@
 #include <stdint.h>
 #include <string.h>
 
+/* gather_rows reads rows in random order (small rows: offsets, labels): the
+ * start of the row PREFETCH_AHEAD places on is requested while the current one
+ * is copied, so several cache misses are outstanding at once (random 16-byte
+ * rows of a 200 MB map: about 2.5x faster). Prefetching never faults; it is
+ * only issued for starts inside the source. gather_ranges does not prefetch:
+ * its copies of 50-500 bytes measured no faster with it. */
+#define PREFETCH_AHEAD 12
+
 static PyObject *gather_rows(PyObject *module, PyObject *args) {
     Py_buffer dst, src, starts;
     Py_ssize_t row;
@@ -80,6 +88,13 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
                 bad = i;
                 bad_start = s;
                 break;
+            }
+            if (i + PREFETCH_AHEAD < n) {
+                int64_t p;
+                memcpy(&p, pos + i + PREFETCH_AHEAD, sizeof p);
+                if (p >= 0 && p <= last) {
+                    __builtin_prefetch(in + p, 0, 0);
+                }
             }
             memcpy(out + i * row, in + s, (size_t)row);
         }

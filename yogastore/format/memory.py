@@ -305,6 +305,15 @@ class VarRows:
         self._item = spec.np_dtype.itemsize
         self._known = np.array(dims_or_zero(spec), dtype=np.int64)
         self._shapes = np.broadcast_to(self._known, (0, spec.ndim))  # last batch's, reused
+        # What the schema already says is not read again (each read is a cache
+        # miss): with every dimension known, a record's values (strings) are
+        # ``_per_record`` and its offsets are ``local * _per_record``; with one
+        # unknown dimension and the others non-zero, that dimension is the
+        # record's count divided by the others' product (``_derived``).
+        unknown = [i for i, d in enumerate(spec.shape) if d is None]
+        self._per_record = None if unknown else math.prod(dims_or_zero(spec))
+        rest = math.prod(d for d in spec.shape if d is not None)
+        self._derived = (unknown[0], rest) if len(unknown) == 1 and rest > 0 else None
         # Per chunk: addresses of the record offsets, shapes, string offsets and
         # data, and the sizes offsets must stay within.
         self._offsets = np.zeros(num_chunks, dtype=np.int64)
@@ -371,7 +380,7 @@ class VarRows:
         )
 
     def _record_shapes(
-        self, flat: np.ndarray, low: int, chunks: IntArray, local: IntArray
+        self, flat: np.ndarray, low: int, chunks: IntArray, local: IntArray, counts: IntArray
     ) -> IntArray:
         n, ndim = len(local), self.spec.ndim
         if not self.spec.has_shapes:
@@ -380,6 +389,14 @@ class VarRows:
                 shapes = self._shapes = np.broadcast_to(self._known, (n, ndim))
             return shapes
         out = np.empty((n, ndim), dtype=np.int64)
+        if self._derived is not None:
+            axis, rest = self._derived
+            size, left = np.divmod(counts, rest)
+            if left.any():
+                raise self._corrupt(chunks, left != 0, "record sizes do not fit the shape")
+            out[:] = self._known
+            out[:, axis] = size
+            return out
         copy_rows(out, flat, self._shape_rows[chunks] - low + local * (8 * ndim), 8 * ndim)
         return out
 
@@ -387,6 +404,14 @@ class VarRows:
         self, flat: np.ndarray, low: int, chunks: IntArray, local: IntArray
     ) -> tuple[IntArray, IntArray]:
         """Return each record's first and last value (var) or string (bytes), bounds-checked."""
+        per = self._per_record
+        if per is not None:  # the stored offsets are local * per: not read
+            first = local * per
+            last = first + per
+            bad = last > self._items[chunks]
+            if bad.any():
+                raise self._corrupt(chunks, bad, "record offsets out of bounds")
+            return first, last
         pairs = np.empty((len(local), 2), dtype=np.int64)
         copy_rows(pairs, flat, self._offsets[chunks] - low + local * 8, 16)
         first, last = pairs[:, 0], pairs[:, 1]
@@ -468,7 +493,7 @@ class VarRows:
         try:
             first, last = self._bounds(flat, low, chunks, local)
             counts = last - first
-            shapes = self._record_shapes(flat, low, chunks, local)
+            shapes = self._record_shapes(flat, low, chunks, local, counts)
             offsets = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(counts, out=offsets[1:])
             if not self._strings:
