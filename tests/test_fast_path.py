@@ -15,6 +15,7 @@ import yogastore
 from yogastore._gather import gather_rows
 from yogastore.format import ALIGN
 from yogastore.format.memory import BufferPool
+from yogastore.read.reader import chunk_lookup
 
 SMALL, BIG = "small", "big"
 # Small records: Stream.batches gathers many batches at once and hands out views.
@@ -325,3 +326,32 @@ def test_flat_dict_schema_packs_like_the_general_nest_walk() -> None:
     # A schema read back from its JSON gets the same fast path.
     again = Schema.from_json(flat.to_json(), "test")
     assert again == flat and again._flat_dict == flat._flat_dict
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [5, 5, 5, 1],
+        [7, 3, 9, 3, 4],
+        [1, 1, 1],
+        [3, 8],
+        [1000, 999, 1001, 4097, 2],
+        [2**12 + 1] * 30 + [7],
+    ],
+)
+def test_chunk_lookup_finds_the_chunk_the_binary_search_finds(counts: list[int]) -> None:
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    n = int(sum(counts))
+    lookup = chunk_lookup(starts, n)
+    assert lookup is not None
+    records = np.random.default_rng(0).permutation(n).astype(np.int64)
+    expected = np.searchsorted(starts, records, side="right") - 1
+    np.testing.assert_array_equal(lookup.chunks(records), expected)
+    assert lookup.chunks(np.array([0, n - 1], np.int64)).tolist() == [0, len(counts) - 1]
+
+
+def test_chunk_lookup_declines_empty_chunks_and_huge_tables() -> None:
+    assert chunk_lookup(np.array([0, 4, 4], np.int64), 9) is None  # an empty chunk
+    assert chunk_lookup(np.array([0, 4], np.int64), 4) is None  # an empty last chunk
+    assert chunk_lookup(np.array([0], np.int64), 9) is None  # one chunk: nothing to look up
+    assert chunk_lookup(np.arange(3_000_000, dtype=np.int64), 3_000_000) is None

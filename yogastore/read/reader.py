@@ -46,7 +46,9 @@ from yogastore.read.verified import (
 __all__ = [
     "ChunkSource",
     "LocalChunkSource",
+    "ChunkLookup",
     "ReadStats",
+    "chunk_lookup",
     "check_length",
     "locate",
     "uniform_chunk_size",
@@ -98,16 +100,67 @@ def uniform_chunk_size(manifest: Manifest) -> int | None:
     return counts[0] if counts[-1] <= counts[0] else None
 
 
+#: Largest lookup table ``chunk_lookup`` builds (entries).
+_LOOKUP_ENTRIES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLookup:
+    """The chunk of a record by table look-up instead of a binary search.
+
+    Entry ``b`` of ``table`` is the chunk holding record ``b << shift``. No
+    chunk but the last holds fewer than ``1 << shift`` records, so at most one
+    more chunk starts among the records of an entry: ``ends[c]`` (the first
+    record after chunk ``c``) says whether a record lies past it.
+    """
+
+    table: IntArray
+    shift: int
+    ends: IntArray
+
+    def chunks(self, records: IntArray) -> IntArray:
+        which = self.table[records >> self.shift]
+        which += records >= self.ends[which]
+        return which
+
+
+def chunk_lookup(starts: IntArray, n: int) -> ChunkLookup | None:
+    """Return the ``ChunkLookup`` of chunks starting at ``starts`` (``n`` records in all).
+
+    ``None`` if its table would be large (more than ``_LOOKUP_ENTRIES``: many
+    small chunks), if some chunk is empty, or if there is one chunk at most.
+    """
+    if len(starts) < 2 or n < 1:
+        return None
+    ends = np.append(starts[1:], n).astype(np.int64)
+    shortest = int(np.diff(starts).min())  # every chunk but the last
+    if shortest < 1 or int(ends[-1] - starts[-1]) < 1:
+        return None
+    shift = shortest.bit_length() - 1
+    entries = ((n - 1) >> shift) + 1
+    if entries > _LOOKUP_ENTRIES:
+        return None
+    firsts = np.arange(entries, dtype=np.int64) << shift
+    table = (np.searchsorted(starts, firsts, side="right") - 1).astype(np.int64)
+    return ChunkLookup(table, shift, ends)
+
+
 def locate(
-    manifest: Manifest, starts: IntArray, records: IntArray, uniform: int | None = None
+    manifest: Manifest,
+    starts: IntArray,
+    records: IntArray,
+    uniform: int | ChunkLookup | None = None,
 ) -> tuple[IntArray, IntArray]:
     """Return (chunk index, index within chunk) for each record.
 
-    ``uniform`` (from ``uniform_chunk_size``) replaces the binary search by a
-    division.
+    ``uniform`` replaces the binary search: a record count (from
+    ``uniform_chunk_size``) by a division, a ``ChunkLookup`` by its table.
     """
     if records.size and (records.min() < 0 or records.max() >= manifest.num_records):
         raise CorruptCacheError(f"{manifest.where}: record index out of range")
+    if isinstance(uniform, ChunkLookup):
+        which = uniform.chunks(records)
+        return which, records - starts[which]
     if uniform is not None:
         which, local = np.divmod(records, uniform)
         return which, local
@@ -186,7 +239,9 @@ class LocalChunkSource:
         self.stats = ReadStats()
         self._columns = manifest.columns()
         self._starts = manifest.chunk_starts()
-        self._uniform = uniform_chunk_size(manifest)
+        self._uniform: int | ChunkLookup | None = uniform_chunk_size(manifest)
+        if self._uniform is None:
+            self._uniform = chunk_lookup(self._starts, manifest.num_records)
         self._views: dict[int, ChunkView] = {}
         self._data: dict[int, memoryview] = {}
         self._sums: dict[int, BlockSums] = {}
