@@ -119,7 +119,7 @@ class ChunkLookup:
     ends: IntArray
 
     def chunks(self, records: IntArray) -> IntArray:
-        which = self.table[records >> self.shift]
+        which: IntArray = self.table[records >> self.shift]
         which += records >= self.ends[which]
         return which
 
