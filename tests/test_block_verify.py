@@ -385,3 +385,24 @@ def test_records_checked_once_skip_their_checks_records_never_read_do_not(
     with pytest.raises(yogastore.CorruptCacheError):
         source.gather(np.array([ours[0], bad[0]], dtype=np.int64))
     assert not memo.records_verified(np.array([bad[0]], dtype=np.int64))
+
+
+@pytest.mark.parametrize("size", [256, 4096])
+@pytest.mark.parametrize("seed", range(4))
+def test_digest_blocks_of_pieces_equal_the_blocks_of_their_concatenation(
+    size: int, seed: int
+) -> None:
+    import xxhash
+
+    from yogastore.format.blocks import digest_blocks
+
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, int(rng.integers(0, 12 * size)), dtype=np.uint8).tobytes()
+    cuts = np.sort(rng.integers(0, len(data) + 1, int(rng.integers(0, 20))))
+    # Pieces of every kind: empty, shorter than a block, exactly one, several, spanning cuts.
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    pieces += [b""]
+    expected = [xxhash.xxh3_64_intdigest(data[p : p + size]) for p in range(0, len(data), size)]
+    got = digest_blocks([memoryview(p) for p in pieces], size)
+    assert got.dtype == np.dtype("<u8")
+    assert got.tolist() == expected

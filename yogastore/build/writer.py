@@ -91,7 +91,7 @@ class _Uploader:
         self.pending: list[concurrent.futures.Future[None]] = []
         self.limit = 2 * workers
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         self.pending.append(self.pool.submit(self.backend.put, key, data))
         while len(self.pending) > self.limit:
             self.pending.pop(0).result()
@@ -151,7 +151,7 @@ def write_chunks(
         nonlocal builder, first, written
         if builder.count == 0:
             return
-        data = builder.encode()
+        data = memoryview(builder.encode())
         index_bytes = int(parse_header(data, len(data), where)["index_end"])
         key = f"{key_prefix}{len(chunks):06d}"
         chunks.append(

@@ -58,24 +58,26 @@ def digest_blocks(pieces: Iterable[bytes | memoryview], size: int) -> npt.NDArra
     """
     sums: list[int] = []
     hasher = xxhash.xxh3_64()
-    room = size
+    digest = xxhash.xxh3_64_intdigest
+    room = size  # bytes the block being streamed still needs
     for piece in pieces:
         view = memoryview(piece).cast("B")
         pos, n = 0, view.nbytes
-        while pos < n:
-            take = min(room, n - pos)
-            if take == size:  # a whole block inside one piece: no streaming state
-                sums.append(xxhash.xxh3_64_intdigest(view[pos : pos + size]))
-            else:
-                hasher.update(view[pos : pos + take])
-                room -= take
-                if room == 0:
-                    sums.append(hasher.intdigest())
-                    hasher.reset()
-                    room = size
-                pos += take
-                continue
-            pos += take
+        if room != size:  # finish the block the previous pieces began
+            take = min(room, n)
+            hasher.update(view[:take])
+            room -= take
+            pos = take
+            if room == 0:
+                sums.append(hasher.intdigest())
+                hasher.reset()
+                room = size
+        # Whole blocks inside this piece, hashed where they lie with no streaming state.
+        whole = pos + (n - pos) // size * size
+        sums.extend([digest(view[p : p + size]) for p in range(pos, whole, size)])
+        if whole < n:  # the start of a block the next pieces finish
+            hasher.update(view[whole:])
+            room = size - (n - whole)
     if room != size:
         sums.append(hasher.intdigest())
     return np.array(sums, dtype=_SUM)

@@ -242,7 +242,7 @@ class ChunkBuilder:
             parts.append(a)
             self.nbytes += a.nbytes + 8 * (col.ndim + 1)
 
-    def encode(self) -> bytes:
+    def encode(self) -> bytearray:
         """Return the chunk bytes for everything added so far."""
         regions: list[tuple[str, int, Region]] = []  # (kind, col, data)
         for i, (col, parts) in enumerate(zip(self.columns, self._parts, strict=True)):
@@ -399,7 +399,7 @@ def encode_chunk(
     num_columns: int,
     regions: Sequence[tuple[str, int, Region]],
     paged: frozenset[int] = frozenset(),
-) -> bytes:
+) -> bytearray:
     """Lay out regions (index regions first) behind a JSON header.
 
     The index ends with the data area's block checksum table
@@ -456,26 +456,27 @@ def encode_chunk(
         if len(header) <= room:
             break
         room = len(header) + 64
-    # The data area, piece by piece with its zero padding, hashed where it lies.
-    data_pieces: list[bytes | memoryview] = []
-    end = base
-    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
-        if kind != "data":
-            continue
-        data_pieces.append(bytes(start - end))
-        data_pieces.extend(views)
-        end = start + size
-    data_pieces.append(bytes(pos - end))
-    table = digest_blocks(data_pieces, block)
-    # One join: every byte is copied once; gaps (alignment padding) are zeros.
+    # One join: every byte is copied once; gaps (alignment padding) are zeros,
+    # and so is the checksum table until the data area, now in one piece, is hashed.
     pieces: list[bytes | memoryview] = [PREFIX.pack(MAGIC, len(header)), header]
     end = PREFIX.size + len(header)
     for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
         if kind == "data":
-            break
+            continue
         pieces.append(bytes(start - end))
         pieces.extend(views)
         end = start + size
-    pieces += [bytes(table_at - end), table.data.cast("B"), bytes(base - table_at - table_bytes)]
-    pieces += data_pieces
-    return b"".join(pieces)
+    pieces.append(bytes(base - end))
+    end = base
+    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
+        if kind != "data":
+            continue
+        pieces.append(bytes(start - end))
+        pieces.extend(views)
+        end = start + size
+    pieces.append(bytes(pos - end))
+    chunk = bytearray().join(pieces)
+    with memoryview(chunk) as view:
+        table = digest_blocks([view[base:pos]], block)
+        view[table_at : table_at + table_bytes] = table.data.cast("B")
+    return chunk
