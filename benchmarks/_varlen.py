@@ -548,7 +548,6 @@ def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
         return offsets, recs.labels[idx], splits
 
     checker = Checker(recs)
-    start = time.perf_counter()
     for idx in index_batches(ctx.ref, case, 1):
         offsets, y, splits = gather(idx)
         xs = [x_buf[a:b].tobytes() for a, b in itertools.pairwise(offsets)]
@@ -557,16 +556,19 @@ def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
             t = t_buf.view(np.int32)
             toks = [t[a:b] for a, b in itertools.pairwise(splits)]
         checker.add(y, xs, toks)
-    passes = case.passes(case.rank_span(), time.perf_counter() - start)
-    batches = list(index_batches(ctx.ref, case, passes))
 
-    def run() -> Tally:
+    def run_batches(batches: list[np.ndarray]) -> Tally:
         tally = Tally()
         for idx in batches:
             tally.add(gather(idx)[1])
         return tally
 
-    runs = repeat_runs(run, case.repeats, np.concatenate(batches))
+    # Planned like the other rows (an untimed probe, not the checking pass above).
+    passes = plan_passes(
+        case, case.rank_span(), lambda p: run_batches(list(index_batches(ctx.ref, case, p)))
+    )
+    batches = list(index_batches(ctx.ref, case, passes))
+    runs = repeat_runs(lambda: run_batches(batches), case.repeats, np.concatenate(batches))
     return _row(
         "d",
         "in-memory values + offsets, same compiled range copy (ceiling)",
