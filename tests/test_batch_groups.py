@@ -66,3 +66,33 @@ def test_variable_shape_schema_is_not_grouped(tmp_path: Path) -> None:
     assert ref.stream().group_factor(1, 1 << 20, 64) == 1
     sizes = [b.shape for b in ref.stream(shuffle=False).batches(1)]
     assert sizes == [(1, i % 4) for i in range(50)]
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_large_batches_cross_to_tf_data_one_per_call_with_the_same_records(
+    tmp_path: Path, drop_remainder: bool
+) -> None:
+    import tensorflow as tf
+
+    from yogastore.train import tf_read
+
+    rows = 301
+    x = np.random.default_rng(3).integers(0, 256, (rows, 4096), dtype=np.uint8)
+    ds = tf.data.Dataset.from_tensor_slices({"x": x, "y": np.arange(rows, dtype=np.int64)})
+    ref = yogastore.Store(tmp_path / "s").cache("big", "1", lambda: ds)
+    batch = 140  # 560 KiB batches: over _WHOLE_BATCH_BYTES, one per call
+    assert batch * 4096 >= tf_read._WHOLE_BATCH_BYTES
+    stream = ref.stream(0, 2, shuffle=True, seed=4, num_epochs=2)
+    order = np.concatenate(
+        list(ref.stream(0, 2, shuffle=True, seed=4, num_epochs=2).record_indices(1))
+    )
+    got = list(stream.to_tf_dataset(batch, drop_remainder))
+    sizes = [int(b["y"].shape[0]) for b in got]
+    full = len(order) // batch * batch
+    assert 0 < full < len(order), "the case must have a short last batch"
+    assert sizes == [batch] * (full // batch) + ([] if drop_remainder else [len(order) - full])
+    ys = np.concatenate([b["y"].numpy() for b in got])
+    np.testing.assert_array_equal(ys, order[: len(ys)])
+    np.testing.assert_array_equal(np.concatenate([b["x"].numpy() for b in got]), x[ys])
+    spec = stream.to_tf_dataset(batch, drop_remainder).element_spec
+    assert spec["x"].shape.as_list() == [batch if drop_remainder else None, 4096]

@@ -27,6 +27,9 @@ __all__ = ["record_dataset", "to_tf_dataset"]
 _UNBATCH_INTERNAL = 256
 _GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, about
 _MAX_GROUP = 64  # batches per Python call, at most
+# A batch of this many bytes or more goes one per call, wrapped without a copy: split out
+# of a group by ``unbatch``, each would be copied into fresh memory (page faults).
+_WHOLE_BATCH_BYTES = 512 << 10
 _PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
 _MAX_PREFETCH = 8
 
@@ -162,7 +165,8 @@ def _fixed_dataset(
     Each call of ``from_generator`` costs a few hundred microseconds whatever
     its size, so the generator hands over ``[k, batch, ...]`` groups of ``k``
     consecutive batches (about 8 MiB) and ``unbatch`` splits them in C++.
-    Batches of more than about 5 MiB go one per call, as they are. The arrays
+    Batches of ``_WHOLE_BATCH_BYTES`` or more go one per call, as they are:
+    ``unbatch`` would copy each into freshly allocated memory. The arrays
     come from the stream's aligned buffer pool, so ``from_generator`` wraps
     them without a copy. With ``batch_size=None`` it hands over ``[n, ...]``
     records and ``unbatch`` yields them one by one.
@@ -171,6 +175,8 @@ def _fixed_dataset(
     unbatch = batch_size is None
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
     k = stream.group_factor(size, _GROUP_BYTES, _MAX_GROUP)
+    if not unbatch and size * row_bytes(schema) >= _WHOLE_BATCH_BYTES:
+        k = 1
     comps = schema.components
     inner = size if drop_remainder else None
     # With one batch per call (large records) there is no group axis to split.
