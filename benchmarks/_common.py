@@ -157,20 +157,31 @@ def io_read_chars() -> int | None:
     return None
 
 
-def rss_mib() -> float:
-    """Return the current resident set size in MiB."""
+def _status_mib(field: str) -> float | None:
+    """Return a ``/proc/self/status`` size field (``VmRSS``, ``VmHWM``) in MiB, or ``None``."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return peak_rss_mib()
+    return None
+
+
+def rss_mib() -> float:
+    """Return the current resident set size in MiB."""
+    now = _status_mib("VmRSS")
+    return now if now is not None else peak_rss_mib()
 
 
 def peak_rss_mib() -> float:
-    """Return this process's peak resident set size in MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Return this process's peak resident set size in MiB.
+
+    ``VmHWM``: a worker started by fork and exec from a large benchmark process
+    would report that process's size at the fork as its own ``ru_maxrss``.
+    """
+    peak = _status_mib("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def repeat_runs(run: Callable[[], Tally], repeats: int, expected: np.ndarray) -> dict[str, Any]:
