@@ -53,34 +53,13 @@ def block_size(span: int) -> int:
 def digest_blocks(pieces: Iterable[bytes | memoryview], size: int) -> npt.NDArray[np.uint64]:
     """Return the xxh3_64 digest of every ``size``-byte block of the concatenated ``pieces``.
 
-    The pieces are hashed where they lie (no copy into one buffer); a block
-    may span several pieces.
+    One piece (the chunk writer's data area) is hashed where it lies; several
+    are joined first.
     """
-    sums: list[int] = []
-    hasher = xxhash.xxh3_64()
+    views = [memoryview(p).cast("B") for p in pieces]
+    data = views[0] if len(views) == 1 else memoryview(b"".join(views))
     digest = xxhash.xxh3_64_intdigest
-    room = size  # bytes the block being streamed still needs
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        pos, n = 0, view.nbytes
-        if room != size:  # finish the block the previous pieces began
-            take = min(room, n)
-            hasher.update(view[:take])
-            room -= take
-            pos = take
-            if room == 0:
-                sums.append(hasher.intdigest())
-                hasher.reset()
-                room = size
-        # Whole blocks inside this piece, hashed where they lie with no streaming state.
-        whole = pos + (n - pos) // size * size
-        sums.extend([digest(view[p : p + size]) for p in range(pos, whole, size)])
-        if whole < n:  # the start of a block the next pieces finish
-            hasher.update(view[whole:])
-            room = size - (n - whole)
-    if room != size:
-        sums.append(hasher.intdigest())
-    return np.array(sums, dtype=_SUM)
+    return np.array([digest(data[p : p + size]) for p in range(0, data.nbytes, size)], _SUM)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

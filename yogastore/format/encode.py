@@ -460,17 +460,7 @@ def encode_chunk(
     # and so is the checksum table until the data area, now in one piece, is hashed.
     pieces: list[bytes | memoryview] = [PREFIX.pack(MAGIC, len(header)), header]
     end = PREFIX.size + len(header)
-    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
-        if kind == "data":
-            continue
-        pieces.append(bytes(start - end))
-        pieces.extend(views)
-        end = start + size
-    pieces.append(bytes(base - end))
-    end = base
-    for (kind, _c, _b), views, start, size in zip(ordered, contents, starts, sizes, strict=True):
-        if kind != "data":
-            continue
+    for views, start, size in zip(contents, starts, sizes, strict=True):  # in file order
         pieces.append(bytes(start - end))
         pieces.extend(views)
         end = start + size

@@ -239,9 +239,10 @@ class LocalChunkSource:
         self.stats = ReadStats()
         self._columns = manifest.columns()
         self._starts = manifest.chunk_starts()
-        self._uniform: int | ChunkLookup | None = uniform_chunk_size(manifest)
-        if self._uniform is None:
-            self._uniform = chunk_lookup(self._starts, manifest.num_records)
+        # How a record's chunk is found: by division, by a table, or (None) by binary search.
+        self._chunk_of: int | ChunkLookup | None = uniform_chunk_size(manifest)
+        if self._chunk_of is None:
+            self._chunk_of = chunk_lookup(self._starts, manifest.num_records)
         self._views: dict[int, ChunkView] = {}
         self._data: dict[int, memoryview] = {}
         self._sums: dict[int, BlockSums] = {}
@@ -330,7 +331,7 @@ class LocalChunkSource:
 
     def gather(self, records: IntArray, in_place: bool = False) -> list[ColumnBatch]:
         """Return the records' column batches, checked (strings as views if ``in_place``)."""
-        which, local = locate(self.manifest, self._starts, records, self._uniform)
+        which, local = locate(self.manifest, self._starts, records, self._chunk_of)
         # Views handed out earlier read a memory map: make sure its file did
         # not shrink since (an outside truncation), which would be a SIGBUS.
         self.backend.check_mapped(self._mapped_key)

@@ -174,9 +174,8 @@ def _fixed_dataset(
     where = stream.ref.manifest.where
     unbatch = batch_size is None
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
-    k = stream.group_factor(size, _GROUP_BYTES, _MAX_GROUP)
-    if not unbatch and size * row_bytes(schema) >= _WHOLE_BATCH_BYTES:
-        k = 1
+    alone = not unbatch and size * row_bytes(schema) >= _WHOLE_BATCH_BYTES
+    k = 1 if alone else stream.group_factor(size, _GROUP_BYTES, _MAX_GROUP)
     comps = schema.components
     inner = size if drop_remainder else None
     # With one batch per call (large records) there is no group axis to split.
