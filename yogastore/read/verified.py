@@ -80,11 +80,13 @@ class BlockMemo:
         self.base = np.zeros(num_chunks, dtype=np.int64)  # data area start
         self.size = np.ones(num_chunks, dtype=np.int64)  # block size
         self.nblocks = np.zeros(num_chunks, dtype=np.int64)
+        self.total = np.zeros(num_chunks, dtype=np.int64)  # chunk length
         self.done = np.zeros(num_chunks, dtype=np.int64)  # blocks verified
         self.complete = np.zeros(num_chunks, dtype=bool)
         self.all_complete = num_chunks == 0
         self._completed = 0
         self._bits = np.zeros(0, dtype=np.uint8)
+        self.expected = np.zeros(0, dtype=np.uint64)  # each block's digest, by block id
         self._used = 0
         self._num_records = num_records
         self._records: npt.NDArray[np.uint8] | None = None  # a bit per verified record
@@ -119,7 +121,13 @@ class BlockMemo:
                 grown = np.zeros(max(need, 2 * len(self._bits)), dtype=np.uint8)
                 grown[: len(self._bits)] = self._bits
                 self._bits = grown
+            if self._used + n > len(self.expected):
+                table = np.zeros(max(self._used + n, 2 * len(self.expected)), dtype=np.uint64)
+                table[: self._used] = self.expected[: self._used]
+                self.expected = table
+            self.expected[self._used : self._used + n] = sums.sums
             self.base[chunk], self.size[chunk] = sums.base, sums.size
+            self.total[chunk] = sums.total
             self.nblocks[chunk] = n
             self.slot[chunk] = self._used
             self._used += n
@@ -260,30 +268,32 @@ def verify_blocks(
     ids, where = np.unique(ids[todo], return_index=True)
     owners = owners[todo][where]
     # Ids sort by slot, so each chunk's blocks are one run.
-    cuts = np.flatnonzero(np.diff(owners)) + 1
-    runs = owners[np.concatenate([[0], cuts])]
-    hashed = 0
-    marks: list[IntArray] = []
-    pieces = list(zip(runs.tolist(), np.split(ids, cuts), strict=True))
-    whole = {c for c, run in pieces if len(run) * _WHOLE_SHARE >= len(sums[c].sums)}
+    heads = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+    runs, lengths = owners[heads], np.diff(np.r_[heads, len(ids)])
+    whole = set(np.flatnonzero(lengths * _WHOLE_SHARE >= memo.nblocks[runs]).tolist())
     if will_read is not None:  # announce every read of the batch, then read
-        for chunk, run in pieces:
-            if chunk in whole:
+        numbers = ids - memo.slot[owners]
+        for i, (chunk, head, n) in enumerate(zip(runs.tolist(), heads, lengths, strict=True)):
+            if i in whole:
                 will_read(chunk, functools.partial(prefix_span, len(data[chunk])))
             else:
-                numbers = run - int(memo.slot[chunk])
-                will_read(chunk, functools.partial(_block_spans, sums[chunk], numbers))
-    for chunk, run in pieces:
-        table, view = sums[chunk], data[chunk]
-        slot = int(memo.slot[chunk])
-        if chunk in whole and checksum(view) == checksums[chunk]:
+                blocks = numbers[head : head + n]
+                will_read(chunk, functools.partial(_block_spans, sums[chunk], blocks))
+    hashed = 0
+    by_block = np.ones(len(ids), dtype=bool)
+    marks, marked_chunks = [], []
+    for i in sorted(whole):
+        chunk = int(runs[i])
+        view = data[chunk]
+        if checksum(view) == checksums[chunk]:
             hashed += len(view)
-            marks.append(slot + np.arange(len(table.sums), dtype=np.int64))
-            continue
-        hashed += _check_run(table, view, run - slot)
-        marks.append(run)
-    marked = np.concatenate(marks)
-    memo.mark(marked, np.repeat(runs, [len(m) for m in marks]))
+            by_block[heads[i] : heads[i] + lengths[i]] = False
+            n = int(memo.nblocks[chunk])
+            marks.append(int(memo.slot[chunk]) + np.arange(n, dtype=np.int64))
+            marked_chunks.append(np.full(n, chunk, dtype=np.int64))
+    ids, owners = ids[by_block], owners[by_block]
+    hashed += _check_blocks(memo, ids, owners, sums, data)
+    memo.mark(np.concatenate([ids, *marks]), np.concatenate([owners, *marked_chunks]))
     return hashed
 
 
@@ -302,19 +312,39 @@ def _block_spans(table: BlockSums, numbers: IntArray) -> Spans:
     return starts.tolist(), ends.tolist()
 
 
-def _check_run(table: BlockSums, view: memoryview, numbers: IntArray) -> int:
-    """Check blocks ``numbers`` of one chunk; return the bytes hashed."""
-    size = table.size
-    starts = table.base + numbers * size
-    # Slices stop at the chunk's end: the last block may be short.
+def _check_blocks(
+    memo: BlockMemo,
+    ids: IntArray,
+    owners: IntArray,
+    sums: dict[int, BlockSums],
+    data: dict[int, memoryview],
+) -> int:
+    """Check blocks ``ids`` (of chunks ``owners``, in slot order); return the bytes hashed.
+
+    One pass over every block of the batch, whatever chunks hold them: a
+    batch of a global shuffle touches a block or two in each of many chunks.
+    """
+    if not len(ids):
+        return 0
+    size = memo.size[owners]
+    starts = memo.base[owners] + (ids - memo.slot[owners]) * size
+    # The last block of a chunk may be short.
+    ends = np.minimum(starts + size, memo.total[owners])
     digest = xxhash.xxh3_64_intdigest
-    got = np.array([digest(view[lo : lo + size]) for lo in starts.tolist()], dtype=np.uint64)
-    bad = np.flatnonzero(got != table.sums[numbers])
+    got = np.array(
+        [
+            digest(data[c][lo:hi])
+            for c, lo, hi in zip(owners.tolist(), starts.tolist(), ends.tolist(), strict=True)
+        ],
+        dtype=np.uint64,
+    )
+    bad = np.flatnonzero(got != memo.expected[ids])
     if len(bad):
-        lo = int(starts[bad[0]])
+        at = int(bad[0])
+        chunk = int(owners[at])
         raise CorruptCacheError(
-            f"{table.where}: block {numbers[bad[0]]} (bytes [{lo}, "
-            f"{min(lo + size, table.total)})) fails its checksum; the cache is corrupted, "
+            f"{sums[chunk].where}: block {int(ids[at] - memo.slot[chunk])} (bytes "
+            f"[{int(starts[at])}, {int(ends[at])})) fails its checksum; the cache is corrupted, "
             "delete and rebuild this version"
         )
-    return int(np.minimum(starts + size, table.total).sum() - starts.sum())
+    return int((ends - starts).sum())
