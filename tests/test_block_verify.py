@@ -325,6 +325,28 @@ def test_a_damaged_index_is_refused_before_it_is_used(tmp_path: Path, where: str
     assert source.stats.bytes_verified == 0
 
 
+def test_an_index_changed_after_its_first_check_is_refused_by_the_next_view(
+    tmp_path: Path,
+) -> None:
+    # A view made again in this process hashes the index again: the structural
+    # checks it skips are those the same bytes passed before.
+    ref = build(tmp_path)
+    chunks = Chunks(ref)
+    first = int(ref.manifest.chunk_starts()[1])
+    record = np.array([first], dtype=np.int64)
+    source = ref.make_source()
+    assert np.array_equal(source.gather(record)[-1].data[0], RECORDS[first]["x"])
+    del source
+    again = ref.make_source()  # no stream alive to share views with: parsed again
+    assert np.array_equal(again.gather(record)[-1].data[0], RECORDS[first]["x"])
+    del again
+    at, _n, _base, _size = chunks.open(1)[2]
+    chunks.flip(tmp_path, 1, at + 3)  # the block table, under this running process
+    third = ref.make_source()
+    with pytest.raises(yogastore.CorruptCacheError, match=r"chunk 1 .*index .*fails its checksum"):
+        third.gather(record)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_compiled_block_lookup_matches_its_definition(seed: int) -> None:
     from yogastore._gather import blocks_verified

@@ -102,6 +102,10 @@ class ChunkView:
         count: the record count the manifest promises.
         where: text naming dataset and chunk for error messages.
         header: an already parsed header, if any.
+        checked: these index bytes passed every check of a view before (in
+            this process): the checks that scan whole offset and shape tables
+            are skipped. Sizes are still checked, and gathers check every
+            offset they read whatever this says.
     """
 
     def __init__(
@@ -111,8 +115,10 @@ class ChunkView:
         count: int,
         where: str,
         header: dict[str, Any] | None = None,
+        checked: bool = False,
     ) -> None:
         self.where = where
+        self._checked = checked
         header = header if header is not None else parse_header(buf, len(buf), where)
         if header.get("k") != count:
             raise CorruptCacheError(
@@ -155,27 +161,18 @@ class ChunkView:
                 raise CorruptCacheError(f"{bad}: {data.size} values, expected {k * per}")
             return _ColumnView(spec, data.reshape(k, *dims_or_zero(spec)), data_at=at)
         offsets = self._region(buf, regions, "offsets", I64, i)
-        if offsets.size != k + 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+        if offsets.size != k + 1 or offsets[0] != 0:
             raise CorruptCacheError(
                 f"{bad}: record offsets are not {k + 1} ascending values from 0"
             )
-        counts = np.diff(offsets)
         shapes = None
         if spec.has_shapes:
             shapes = self._region(buf, regions, "shapes", I64, i)
             if shapes.size != k * spec.ndim:
                 raise CorruptCacheError(f"{bad}: shape table has {shapes.size} values")
             shapes = shapes.reshape(k, spec.ndim)
-            known = [j for j, d in enumerate(spec.shape) if d is not None]
-            expected = np.array([spec.shape[j] for j in known], dtype=np.int64)
-            if (
-                np.any(shapes < 0)
-                or (known and np.any(shapes[:, known] != expected))
-                or np.any(np.prod(shapes.astype(np.float64), axis=1) != counts)
-            ):
-                raise CorruptCacheError(f"{bad}: record shapes disagree with offsets or spec")
-        elif np.any(counts != int(np.prod(dims_or_zero(spec), dtype=np.int64))):
-            raise CorruptCacheError(f"{bad}: record sizes disagree with the fixed shape")
+        if not self._checked:
+            self._check_records(bad, spec, offsets, shapes)
         if spec.layout == "var":
             data = self._region(buf, regions, "data", spec.np_dtype, i)
             if offsets[-1] != data.size:
@@ -188,8 +185,30 @@ class ChunkView:
         if (
             boffsets.size != offsets[-1] + 1
             or (boffsets.size and boffsets[0] != 0)
-            or np.any(np.diff(boffsets) < 0)
+            or (not self._checked and np.any(np.diff(boffsets) < 0))
             or (boffsets.size and boffsets[-1] != data.size)
         ):
             raise CorruptCacheError(f"{bad}: string offsets are inconsistent with the data")
         return _ColumnView(spec, data, shapes, offsets, boffsets, data_at=at)
+
+    @staticmethod
+    def _check_records(
+        bad: str, spec: ColumnSpec, offsets: np.ndarray, shapes: np.ndarray | None
+    ) -> None:
+        """Check a column's record offsets ascend and agree with its shapes (or fixed shape)."""
+        counts = np.diff(offsets)
+        if np.any(counts < 0):
+            raise CorruptCacheError(
+                f"{bad}: record offsets are not {len(offsets)} ascending values from 0"
+            )
+        if shapes is not None:
+            known = [j for j, d in enumerate(spec.shape) if d is not None]
+            expected = np.array([spec.shape[j] for j in known], dtype=np.int64)
+            if (
+                np.any(shapes < 0)
+                or (known and np.any(shapes[:, known] != expected))
+                or np.any(np.prod(shapes.astype(np.float64), axis=1) != counts)
+            ):
+                raise CorruptCacheError(f"{bad}: record shapes disagree with offsets or spec")
+        elif np.any(counts != int(np.prod(dims_or_zero(spec), dtype=np.int64))):
+            raise CorruptCacheError(f"{bad}: record sizes disagree with the fixed shape")

@@ -291,16 +291,17 @@ class LocalChunkSource:
         except KeyNotFoundError as err:
             raise missing_chunk_error(self.backend, self.manifest, where) from err
         check_length(self.manifest, chunk, data)
-        hashed = 0
         index = data[: info.index_bytes]
-        if not self._memo.index_verified(chunk):
-            # Before parsing: nothing read from an index is trusted unchecked.
-            if checksum(index) != info.index_checksum:
-                raise CorruptCacheError(
-                    f"{where}: index (bytes [0, {info.index_bytes})) fails its checksum; the "
-                    "cache is corrupted, delete and rebuild this version"
-                )
-            hashed = info.index_bytes
+        # Before parsing: nothing read from an index is trusted unchecked. An
+        # index this process checked before is hashed again (a few KiB) so that
+        # the same bytes may skip the structural checks they passed then.
+        seen = self._memo.index_verified(chunk)
+        if checksum(index) != info.index_checksum:
+            raise CorruptCacheError(
+                f"{where}: index (bytes [0, {info.index_bytes})) fails its checksum; the "
+                "cache is corrupted, delete and rebuild this version"
+            )
+        hashed = info.index_bytes
         header = parse_header(index, info.nbytes, where)
         if header.get("index_end") != info.index_bytes:
             raise CorruptCacheError(
@@ -308,7 +309,7 @@ class LocalChunkSource:
                 f"{info.index_bytes}; delete and rebuild this version"
             )
         sums = BlockSums.from_header(header, index, info.nbytes, where)
-        view = ChunkView(data, self._columns, info.count, where, header)
+        view = ChunkView(data, self._columns, info.count, where, header, checked=seen)
         check_regions(view, sums)
         self._memo.add_chunk(chunk, sums)
         with self._lock:
