@@ -265,16 +265,23 @@ def test_announced_ranges_are_read_ahead_and_nothing_else(tmp_path: Path) -> Non
         backend.close()
 
 
-def test_block_spans_merge_consecutive_blocks() -> None:
-    from yogastore.format.blocks import BlockSums
-    from yogastore.read.verified import _block_spans
+def test_announced_spans_merge_consecutive_blocks_per_chunk() -> None:
+    from yogastore.read.verified import _announce
 
-    table = BlockSums(
-        np.zeros(10, np.uint64), base=100, size=4096, total=100 + 9 * 4096 + 10, where=""
-    )
-    starts, ends = _block_spans(table, np.array([0, 1, 2, 5, 7, 8, 9]))
-    assert starts == [100, 100 + 5 * 4096, 100 + 7 * 4096]
-    assert ends == [100 + 3 * 4096, 100 + 6 * 4096, 100 + 9 * 4096 + 10]  # the last block is short
+    base, size = 100, 4096
+    total = base + 9 * size + 10  # the last block is short
+    owners = np.array([3, 3, 3, 3, 5, 5, 5, 5, 8], dtype=np.int64)
+    numbers = np.array([0, 1, 2, 5, 6, 7, 8, 9, 4])
+    lo = base + numbers * size
+    hi = np.minimum(lo + size, total)
+    heard: dict[int, tuple[list[int], list[int]]] = {}
+    data = {8: memoryview(bytes(1234))}
+    runs = np.array([3, 5, 8], dtype=np.int64)
+    _announce(lambda c, spans: heard.setdefault(c, spans()), owners, lo, hi, runs, {2}, data)
+    assert heard[3] == ([base, base + 5 * size], [base + 3 * size, base + 6 * size])
+    # Chunk 5's block 6 starts where chunk 3's block 5 ends: not merged across chunks.
+    assert heard[5] == ([base + 6 * size], [total])  # its last block is short
+    assert heard[8] == ([0], [1234])  # announced whole
 
 
 def _open_cut_store(root: str, what: str) -> None:

@@ -271,14 +271,12 @@ def verify_blocks(
     heads = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
     runs, lengths = owners[heads], np.diff(np.r_[heads, len(ids)])
     whole = set(np.flatnonzero(lengths * _WHOLE_SHARE >= memo.nblocks[runs]).tolist())
+    # Each block's bytes; the last block of a chunk may be short.
+    block = memo.size[owners]
+    lo = memo.base[owners] + (ids - memo.slot[owners]) * block
+    hi = np.minimum(lo + block, memo.total[owners])
     if will_read is not None:  # announce every read of the batch, then read
-        numbers = ids - memo.slot[owners]
-        for i, (chunk, head, n) in enumerate(zip(runs.tolist(), heads, lengths, strict=True)):
-            if i in whole:
-                will_read(chunk, functools.partial(prefix_span, len(data[chunk])))
-            else:
-                blocks = numbers[head : head + n]
-                will_read(chunk, functools.partial(_block_spans, sums[chunk], blocks))
+        _announce(will_read, owners, lo, hi, runs, whole, data)
     hashed = 0
     by_block = np.ones(len(ids), dtype=bool)
     marks, marked_chunks = [], []
@@ -292,7 +290,7 @@ def verify_blocks(
             marks.append(int(memo.slot[chunk]) + np.arange(n, dtype=np.int64))
             marked_chunks.append(np.full(n, chunk, dtype=np.int64))
     ids, owners = ids[by_block], owners[by_block]
-    hashed += _check_blocks(memo, ids, owners, sums, data)
+    hashed += _check_blocks(memo, ids, owners, lo[by_block], hi[by_block], sums, data)
     memo.mark(np.concatenate([ids, *marks]), np.concatenate([owners, *marked_chunks]))
     return hashed
 
@@ -302,34 +300,54 @@ def prefix_span(end: int) -> Spans:
     return [0], [end]
 
 
-def _block_spans(table: BlockSums, numbers: IntArray) -> Spans:
-    """Byte ranges covering blocks ``numbers`` (sorted), consecutive blocks merged."""
-    breaks = np.flatnonzero(np.diff(numbers) != 1) + 1
-    firsts = numbers[np.concatenate([[0], breaks])]
-    lasts = numbers[np.concatenate([breaks - 1, [len(numbers) - 1]])]
-    starts = table.base + firsts * table.size
-    ends = np.minimum(table.base + (lasts + 1) * table.size, table.total)
-    return starts.tolist(), ends.tolist()
+def _announce(
+    will_read: Callable[[int, Callable[[], Spans]], None],
+    owners: IntArray,
+    starts: IntArray,
+    ends: IntArray,
+    runs: IntArray,
+    whole: set[int],
+    data: dict[int, memoryview],
+) -> None:
+    """Call ``will_read`` for each chunk of a batch with its blocks' byte ranges.
+
+    Adjacent blocks of a chunk are one range; chunks ``runs[i]`` with ``i``
+    in ``whole`` are announced whole.
+    """
+    joined = (ends[:-1] == starts[1:]) & (owners[:-1] == owners[1:])
+    heads = np.flatnonzero(np.r_[True, ~joined])
+    tails = np.r_[heads[1:], len(starts)] - 1
+    span_owners = owners[heads]
+    firsts = np.flatnonzero(np.r_[True, span_owners[1:] != span_owners[:-1]])
+    bounds = np.r_[firsts, len(heads)].tolist()
+    los, his = starts[heads].tolist(), ends[tails].tolist()
+    for i, chunk in enumerate(runs.tolist()):
+        if i in whole:
+            will_read(chunk, functools.partial(prefix_span, len(data[chunk])))
+        else:
+            will_read(chunk, functools.partial(_spans, los, his, bounds[i], bounds[i + 1]))
+
+
+def _spans(los: list[int], his: list[int], a: int, b: int) -> Spans:
+    return los[a:b], his[a:b]
 
 
 def _check_blocks(
     memo: BlockMemo,
     ids: IntArray,
     owners: IntArray,
+    starts: IntArray,
+    ends: IntArray,
     sums: dict[int, BlockSums],
     data: dict[int, memoryview],
 ) -> int:
-    """Check blocks ``ids`` (of chunks ``owners``, in slot order); return the bytes hashed.
+    """Check blocks ``ids``, bytes ``[starts, ends)`` of chunks ``owners``; return bytes hashed.
 
     One pass over every block of the batch, whatever chunks hold them: a
     batch of a global shuffle touches a block or two in each of many chunks.
     """
     if not len(ids):
         return 0
-    size = memo.size[owners]
-    starts = memo.base[owners] + (ids - memo.slot[owners]) * size
-    # The last block of a chunk may be short.
-    ends = np.minimum(starts + size, memo.total[owners])
     digest = xxhash.xxh3_64_intdigest
     got = np.array(
         [
