@@ -219,9 +219,12 @@ class FixedRows:
         self._data_at = np.zeros(num_chunks, dtype=np.int64)  # data region's offset in its chunk
         self._arrays: list[np.ndarray] = []
         self._lowest: np.ndarray | None = None
+        self._low = 0
         self._end = 0
-        # (byte rows, their address, the same bytes as one flat array)
+        # (byte rows, their address, the same bytes as one flat array); made
+        # again at the next gather after an added chunk widened it (``_stale``).
         self._span: tuple[np.ndarray, int, np.ndarray] | None = None
+        self._stale = False
         self._pool = pool if pool is not None else BufferPool()
         self._lock = threading.Lock()
 
@@ -234,19 +237,24 @@ class FixedRows:
             if col.data.nbytes == 0 or self._row == 0:
                 return
             self._arrays.append(col.data)
-            end = col.address + col.data.nbytes
-            lowest = self._span[1] if self._span is not None else None
-            if lowest is not None and col.address >= lowest and end <= self._end:
-                return
-            if self._lowest is None or lowest is None or col.address < lowest:
-                self._lowest = col.data
-            self._end = max(self._end, end)
-            rows = _row_span(self._lowest, self._end, self._row)
-            start = int(self._lowest.__array_interface__["data"][0])
-            flat = np.lib.stride_tricks.as_strided(
-                rows, shape=(self._end - start,), strides=(1,), writeable=False
-            )
-            self._span = (rows, start, flat)
+            if self._lowest is None or col.address < self._low:
+                self._lowest, self._low, self._stale = col.data, col.address, True
+            if col.address + col.data.nbytes > self._end:
+                self._end, self._stale = col.address + col.data.nbytes, True
+
+    def _current_span(self) -> tuple[np.ndarray, int, np.ndarray] | None:
+        """The span over every chunk added so far (made once after chunks widened it)."""
+        if not self._stale:
+            return self._span
+        with self._lock:
+            if self._stale and self._lowest is not None:
+                rows = _row_span(self._lowest, self._end, self._row)
+                flat = np.lib.stride_tricks.as_strided(
+                    rows, shape=(self._end - self._low,), strides=(1,), writeable=False
+                )
+                self._span = (rows, self._low, flat)
+                self._stale = False
+            return self._span
 
     def ranges(self, chunks: IntArray, local: IntArray) -> tuple[IntArray, IntArray]:
         """Return the byte ranges ``[start, end)`` within their chunks of the records' values."""
@@ -264,7 +272,7 @@ class FixedRows:
         shapes = self._shapes
         if len(shapes) != n:
             shapes = self._shapes = np.broadcast_to(self._known, (n, self.spec.ndim))
-        span = self._span
+        span = self._current_span()
         if n == 0 or span is None:
             return ColumnBatch(self.spec, np.empty((n, *self._dims), self._dtype), shapes)
         rows, lowest, flat = span
@@ -329,7 +337,10 @@ class VarRows:
         self._lowest: np.ndarray | None = None
         self._low = 0
         self._end = 0
-        self._span: tuple[np.ndarray, int] | None = None  # (flat bytes, their address)
+        # (flat bytes, their address); made again at the next gather after an
+        # added chunk widened it (``_stale``).
+        self._span: tuple[np.ndarray, int] | None = None
+        self._stale = False
         self._aligned: tuple[np.ndarray, int, int] | None = None  # (span, low, end) it covers
         self._pool = pool if pool is not None else BufferPool()
         self._lock = threading.Lock()
@@ -353,23 +364,30 @@ class VarRows:
             self._data_at[chunk] = col.data_at
             self._nbytes[chunk] = col.data.nbytes
             self._where[chunk] = view.where
-            grown = False
             for a in arrays:
                 if a.nbytes == 0:
                     continue  # never read: zero-length ranges are copied from start 0
-                start, end = _address(a), _address(a) + a.nbytes
+                start = _address(a)
                 self._arrays.append(a)
                 if self._lowest is None or start < self._low:
-                    self._lowest, self._low, grown = a, start, True
-                if end > self._end:
-                    self._end, grown = end, True
-            if grown and self._lowest is not None:
+                    self._lowest, self._low, self._stale = a, start, True
+                if start + a.nbytes > self._end:
+                    self._end, self._stale = start + a.nbytes, True
+            self._added[chunk] = True
+
+    def _current_span(self) -> tuple[np.ndarray, int] | None:
+        """The span over every chunk added so far (made once after chunks widened it)."""
+        if not self._stale:
+            return self._span
+        with self._lock:
+            if self._stale and self._lowest is not None:
                 flat = self._lowest.reshape(-1).view(np.uint8)
                 span = np.lib.stride_tricks.as_strided(
                     flat, shape=(self._end - self._low,), strides=(1,), writeable=False
                 )
                 self._span = (span, self._low)
-            self._added[chunk] = True
+                self._stale = False
+            return self._span
 
     def _corrupt(self, chunks: IntArray, bad: np.ndarray, what: str) -> CorruptCacheError:
         chunk = int(chunks[int(np.argmax(bad))])
@@ -427,7 +445,7 @@ class VarRows:
         its last one (a record's strings lie back to back).
         """
         n = len(local)
-        span = self._span
+        span = self._current_span()
         if n and not self._added[chunks].all():
             raise RuntimeError("VarRows.ranges: a chunk of the batch was never added")
         at = self._data_at[chunks]
@@ -484,7 +502,7 @@ class VarRows:
         spanning the chunks and ``ranges`` says where each string lies.
         """
         n = len(local)
-        span = self._span
+        span = self._current_span()
         if n and not self._added[chunks].all():
             raise RuntimeError("VarRows.gather: a chunk of the batch was never added")
         if n == 0 or span is None:
