@@ -84,6 +84,7 @@ _INITIAL_MAP_SIZE = 1 << 34  # address space only; the file grows as written
 _OPEN_ATTEMPTS = 3  # a version opened for reading while another process rebuilds it
 _REOPEN_PAUSE = 0.02
 _LOCK_SUFFIX = ".lock"
+_DIRS_KEPT = 1024  # key directories whose paths a backend keeps made
 _RESIDENT = 0.9  # a value this much in the page cache is read without advice
 _WRITE_MARGIN = 1 << 20  # bytes beyond a value a commit may need (pages, metas)
 _WRITEBACK_BYTES = 32 << 20  # committed bytes after which writing them to disk starts
@@ -586,6 +587,8 @@ class LmdbBackend(Backend):
             raise InvalidArgumentError("the store path is empty; pass a directory")
         self.root = _root_from_url(url).expanduser().resolve()
         self._root = str(self.root)
+        # Directory part of a key -> its path (every read of a version's chunk splits its key).
+        self._dirs: dict[str, Path] = {}
         if self.root.exists() and not self.root.is_dir():
             raise InvalidArgumentError(
                 f"store path {self.root} is not a directory; pass a directory (it is "
@@ -594,10 +597,15 @@ class LmdbBackend(Backend):
 
     def _split(self, key: str) -> tuple[Path, bytes]:
         directory, _, name = key.rpartition("/")
-        return (self.root / directory if directory else self.root), name.encode()
+        path = self._dirs.get(directory)
+        if path is None:
+            if len(self._dirs) >= _DIRS_KEPT:
+                self._dirs.clear()
+            path = self._dirs[directory] = self.root / directory if directory else self.root
+        return path, name.encode()
 
     def _env(self, path: Path, create: bool) -> _Env | None:
-        data = str(path / _DATA_FILE)
+        data = os.path.join(path, _DATA_FILE)
         entry = lmdb_env.lookup(str(path), data, _stale)
         if entry is not None:
             env: _Env = entry.extra
