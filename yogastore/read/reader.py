@@ -302,7 +302,10 @@ class LocalChunkSource:
                 "cache is corrupted, delete and rebuild this version"
             )
         hashed = info.index_bytes
-        header = parse_header(index, info.nbytes, where)
+        # The same bytes parse the same: a header parsed and checked before is kept.
+        header = self._memo.header(chunk) if seen else None
+        if header is None:
+            header = parse_header(index, info.nbytes, where)
         if header.get("index_end") != info.index_bytes:
             raise CorruptCacheError(
                 f"{where}: chunk index ends at {header.get('index_end')!r}, manifest says "
@@ -311,7 +314,7 @@ class LocalChunkSource:
         sums = BlockSums.from_header(header, index, info.nbytes, where)
         view = ChunkView(data, self._columns, info.count, where, header, checked=seen)
         check_regions(view, sums)
-        self._memo.add_chunk(chunk, sums)
+        self._memo.add_chunk(chunk, sums, header)
         with self._lock:
             known = self._views.get(chunk)
             if known is not None:  # another thread was first

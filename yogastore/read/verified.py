@@ -42,6 +42,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +64,7 @@ __all__ = ["BlockMemo", "block_memo", "check_regions", "verify_blocks"]
 Spans = tuple[list[int], list[int]]  # byte ranges: starts, ends
 _WHOLE_SHARE = 4  # a quarter of a chunk's blocks at once: one hash of the whole chunk
 _BIT = np.left_shift(np.uint8(1), np.arange(8, dtype=np.uint8))
+_HEADERS_KEPT = 1 << 14  # chunk headers kept parsed per version (a few KiB each)
 _RECORD_BITS = 1 << 28  # versions with more records keep no record bits (32 MiB at most)
 
 
@@ -89,6 +91,7 @@ class BlockMemo:
         self.expected = np.zeros(0, dtype=np.uint64)  # each block's digest, by block id
         self._used = 0
         self._num_records = num_records
+        self._headers: dict[int, dict[str, Any]] = {}
         self._records: npt.NDArray[np.uint8] | None = None  # a bit per verified record
 
     def records_verified(self, records: IntArray) -> bool:
@@ -110,9 +113,19 @@ class BlockMemo:
     def index_verified(self, chunk: int) -> bool:
         return bool(self.slot[chunk] >= 0)
 
-    def add_chunk(self, chunk: int, sums: BlockSums) -> None:
-        """Record that ``chunk``'s index was verified; give its blocks their bits."""
+    def header(self, chunk: int) -> dict[str, Any] | None:
+        """The parsed header of ``chunk``'s index as checked before, if kept."""
+        return self._headers.get(chunk)
+
+    def add_chunk(self, chunk: int, sums: BlockSums, header: dict[str, Any] | None = None) -> None:
+        """Record that ``chunk``'s index was verified; give its blocks their bits.
+
+        ``header``, the index's parsed header, is kept for the views made of
+        the same index bytes later (for at most ``_HEADERS_KEPT`` chunks).
+        """
         with self.lock:
+            if header is not None and len(self._headers) < _HEADERS_KEPT:
+                self._headers.setdefault(chunk, header)
             if self.slot[chunk] >= 0:
                 return
             n = len(sums.sums)
