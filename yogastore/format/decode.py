@@ -7,6 +7,7 @@ raises ``CorruptCacheError`` naming the chunk and what failed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -156,7 +157,7 @@ class ChunkView:
         at = int(regions["data"][0]) if "data" in regions else 0
         if spec.layout == "fixed":
             data = self._region(buf, regions, "data", spec.np_dtype, i)
-            per = int(np.prod(dims_or_zero(spec), dtype=np.int64))
+            per = math.prod(dims_or_zero(spec))
             if data.size != k * per:
                 raise CorruptCacheError(f"{bad}: {data.size} values, expected {k * per}")
             return _ColumnView(spec, data.reshape(k, *dims_or_zero(spec)), data_at=at)
