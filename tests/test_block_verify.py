@@ -260,9 +260,10 @@ def test_a_rank_verifies_about_its_share(tmp_path: Path) -> None:
     assert share <= verified <= 1.3 * share + indexes
     assert verified < data / 4  # not the whole dataset, as whole-chunk checks did
     # Another stream of this process reads the same blocks: checked once per process.
+    # It shares the first stream's chunk views and hashes only their indexes again.
     again = ref.stream(1, shards, shuffle=True, seed=0)
     assert sum(len(b["x"]) for b in again.batches(32)) == records
-    assert again.stats()["bytes_verified"] == 0
+    assert again.stats()["bytes_verified"] == indexes
 
 
 def _child_reads_rank(root: str, rank: int, expect_error: bool) -> None:
@@ -345,6 +346,29 @@ def test_an_index_changed_after_its_first_check_is_refused_by_the_next_view(
     third = ref.make_source()
     with pytest.raises(yogastore.CorruptCacheError, match=r"chunk 1 .*index .*fails its checksum"):
         third.gather(record)
+
+
+def test_a_source_sharing_views_hashes_each_index_again_before_use(tmp_path: Path) -> None:
+    # A stream kept alive (as tf.data keeps every from_generator's generator)
+    # lends its views to later sources of the reference, which still hash
+    # each chunk's index themselves before they first read through it.
+    ref = build(tmp_path)
+    chunks = Chunks(ref)
+    first = int(ref.manifest.chunk_starts()[1])
+    record = np.array([first], dtype=np.int64)
+    alive = ref.make_source()
+    assert np.array_equal(alive.gather(record)[-1].data[0], RECORDS[first]["x"])
+    shared = ref.make_source()
+    assert shared.stats.requests == 0
+    assert np.array_equal(shared.gather(record)[-1].data[0], RECORDS[first]["x"])
+    assert shared.stats.requests == 0  # the view was lent, not made again
+    assert shared.stats.bytes_verified == ref.manifest.chunks[1].index_bytes
+    at, _n, _base, _size = chunks.open(1)[2]
+    chunks.flip(tmp_path, 1, at + 3)  # the block table, under this running process
+    later = ref.make_source()
+    with pytest.raises(yogastore.CorruptCacheError, match=r"chunk 1 .*index .*fails its checksum"):
+        later.gather(record)
+    del alive, shared
 
 
 @pytest.mark.parametrize("seed", range(20))

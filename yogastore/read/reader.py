@@ -266,7 +266,9 @@ class LocalChunkSource:
         the build they belong to is still stored (its chunk keys name the
         build: a delete or a rebuild since removed them): a later stream of
         the same reference then neither reads nor parses a chunk index
-        again. The new source counts its own statistics.
+        again, but hashes each index it uses once more, as a new view would
+        (an index changed under the running process is refused). The new
+        source counts its own statistics.
         """
         if self._pid != os.getpid() or not self.manifest.chunks:
             return None
@@ -277,12 +279,17 @@ class LocalChunkSource:
             return None
         twin = copy.copy(self)
         twin.stats = ReadStats()
+        # Chunks this source has checked itself: a shared view is hashed again on first use.
+        twin._loaded = np.zeros_like(self._loaded)
+        twin._all_loaded = not len(self._loaded)
         return twin
 
     def view(self, chunk: int) -> ChunkView:
         """Return the view of one chunk, its length and index verified."""
         view = self._views.get(chunk)
         if view is not None:
+            if not self._loaded[chunk]:
+                self._check_shared(chunk)
             return view
         info = self.manifest.chunks[chunk]
         where = f"{self.manifest.where} chunk {chunk} ({info.key})"
@@ -317,7 +324,9 @@ class LocalChunkSource:
         self._memo.add_chunk(chunk, sums, header)
         with self._lock:
             known = self._views.get(chunk)
-            if known is not None:  # another thread was first
+            if known is not None:  # another thread (or a sibling) was first
+                self._loaded[chunk] = True
+                self._all_loaded = bool(self._loaded.all())
                 return known
             for i, rows in enumerate(self._rows):
                 rows.add(chunk, view, i)
@@ -325,11 +334,26 @@ class LocalChunkSource:
             self._sums[chunk] = sums
             self._views[chunk] = view
             self._loaded[chunk] = True
-            self._all_loaded = len(self._views) == len(self._loaded)
+            self._all_loaded = bool(self._loaded.all())
             self.stats.requests += 1
             self.stats.bytes_fetched += len(data)
             self.stats.bytes_verified += hashed
         return view
+
+    def _check_shared(self, chunk: int) -> None:
+        """Hash again the index of a view a sibling made, before this source first uses it."""
+        info = self.manifest.chunks[chunk]
+        data = self._data[chunk]
+        if checksum(data[: info.index_bytes]) != info.index_checksum:
+            raise CorruptCacheError(
+                f"{self.manifest.where} chunk {chunk} ({info.key}): index (bytes [0, "
+                f"{info.index_bytes})) fails its checksum; the cache is corrupted, delete and "
+                "rebuild this version"
+            )
+        with self._lock:
+            self._loaded[chunk] = True
+            self._all_loaded = bool(self._loaded.all())
+            self.stats.bytes_verified += info.index_bytes
 
     gathers_in_place = True  # gather(in_place=True) leaves strings where they lie
 
@@ -341,10 +365,9 @@ class LocalChunkSource:
         self.backend.check_mapped(self._mapped_key)
         if not self._all_loaded:
             new = np.unique(which[~self._loaded[which]]).tolist()
-            if not new:  # a sibling may have viewed them all
-                self._all_loaded = len(self._views) == len(self._loaded)
             chunks = self.manifest.chunks
-            for c in new if len(new) > 1 else ():  # their indexes, read in parallel
+            unseen = [c for c in new if c not in self._views]
+            for c in unseen if len(unseen) > 1 else ():  # their indexes, read in parallel
                 self._will_read(c, functools.partial(prefix_span, chunks[c].index_bytes))
             for c in new:
                 self.view(c)
