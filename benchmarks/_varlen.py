@@ -11,6 +11,8 @@ Rows of one case, side by side on the same records:
 (b1) (b) with the library's string kernel switched off (strings as arrays of ``bytes``);
 (b0) (b)'s batches prepared in memory beforehand and handed to tf.data by ``from_generator``
      as (b) hands them over (no read: the ceiling of that hand-over);
+(z)  one batch prepared as tensors and repeated, consumed by the same Python loop (no read,
+     no hand-over: the floor the loop itself sets for (a), (e3), (b) and (b0));
 (c)  ``Stream.batches(256, strings=StringFormat.BUFFERS)`` (bytes + offsets);
 (c2) ``Stream.batches(256)`` (numpy object arrays of ``bytes``);
 (c3) ``Stream.batches(256, strings=StringFormat.RANGES)`` (the stored bytes in place, no copy);
@@ -578,6 +580,57 @@ def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
         verified=checker.result(stream_indices(ctx.ref, case, 1)),
         note="same index batches as (b)/(c), indices precomputed",
     )
+
+
+def loop_floor_row(ctx: VarContext) -> dict[str, Any]:
+    """(z) the Python loop alone: one batch prepared as tensors, repeated by tf.data.
+
+    A pass is the rank's number of records, as one batch of (b)'s first records
+    (``Dataset.from_tensors``, the same structure as (b)'s batches: strings, labels and, for
+    text, ragged token ids) repeated, and consumed by the same Python loop as (a), (e3) and
+    (b). Nothing is read, parsed or handed over: what remains is what the loop pays per
+    batch (the eager call, and for text decoding the ragged token ids from their variant
+    form), so (z)/(a) bounds what any reader consumed this way can reach over (a).
+    """
+    import tensorflow as tf
+
+    case = ctx.case
+    recs = ctx.recs
+    order = stream_indices(ctx.ref, case, 1)
+    size = min(case.batch_size, len(order))
+    first = order[:size]
+
+    def batch_of(idx: np.ndarray) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "x": tf.constant([recs.x_at(int(i)) for i in idx], tf.string),
+            "y": tf.constant(recs.labels[idx]),
+        }
+        if case.kind == "text":
+            toks = [recs.tok_at(int(i)) for i in idx]
+            splits = _offsets(np.array([len(t) for t in toks], np.int64))
+            values = np.concatenate(toks) if toks else np.empty(0, np.int32)
+            out["tokens"] = tf.RaggedTensor.from_row_splits(values, splits)
+        return out
+
+    full, tail = divmod(len(order), size) if size else (0, 0)
+    whole, rest = batch_of(first), batch_of(first[:tail])
+    per_pass = np.resize(recs.labels[first], len(order))
+
+    def make(passes: int) -> Any:
+        one = tf.data.Dataset.from_tensors(whole).repeat(full)
+        if tail:
+            one = one.concatenate(tf.data.Dataset.from_tensors(rest))
+        return steady(one.repeat(passes).prefetch(2))
+
+    return _timed_tf_rows(
+        ctx,
+        "z",
+        "the Python loop alone: one prepared batch, repeated (from_tensors)",
+        make,
+        per_pass,
+        lambda p: np.tile(per_pass, p),
+        note="floor of any reader consumed by a Python loop (no read, no hand-over)",
+    )[0]
 
 
 # Build --------------------------------------------------------------------------------------
