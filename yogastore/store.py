@@ -191,7 +191,8 @@ class DatasetRef:
         From a local store, a source made while another of this reference is
         alive shares its chunk views (``LocalChunkSource.sibling``): a stream
         made before the last one is dropped does not read and parse every
-        chunk's index again. The reference itself holds no views: they pin
+        chunk's index again, only hashes each before it first reads through
+        it. The reference itself holds no views: they pin
         the build's pages (a rebuild could not reuse them, a delete could not
         free them) for as long as a source uses them, and no longer.
         """
