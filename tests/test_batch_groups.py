@@ -69,7 +69,7 @@ def test_variable_shape_schema_is_not_grouped(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("drop_remainder", [False, True])
-def test_large_batches_cross_to_tf_data_one_per_call_with_the_same_records(
+def test_large_batches_cut_from_groups_in_tf_data_are_the_same_records(
     tmp_path: Path, drop_remainder: bool
 ) -> None:
     import tensorflow as tf
@@ -80,9 +80,9 @@ def test_large_batches_cross_to_tf_data_one_per_call_with_the_same_records(
     x = np.random.default_rng(3).integers(0, 256, (rows, 4096), dtype=np.uint8)
     ds = tf.data.Dataset.from_tensor_slices({"x": x, "y": np.arange(rows, dtype=np.int64)})
     ref = yogastore.Store(tmp_path / "s").cache("big", "1", lambda: ds)
-    batch = 140  # 560 KiB batches: over _WHOLE_BATCH_BYTES, one per call
-    assert batch * 4096 >= tf_read._WHOLE_BATCH_BYTES
+    batch = 140  # 560 KiB batches, several per call, cut as views of the group in tf.data
     stream = ref.stream(0, 2, shuffle=True, seed=4, num_epochs=2)
+    assert stream.group_factor(batch, tf_read._GROUP_BYTES, tf_read._MAX_GROUP) > 1
     order = np.concatenate(
         list(ref.stream(0, 2, shuffle=True, seed=4, num_epochs=2).record_indices(1))
     )

@@ -27,9 +27,6 @@ __all__ = ["record_dataset", "to_tf_dataset"]
 _UNBATCH_INTERNAL = 256
 _GROUP_BYTES = 8 << 20  # records handed to tf.data per Python call, about
 _MAX_GROUP = 64  # batches per Python call, at most
-# A batch of this many bytes or more goes one per call, wrapped without a copy: split out
-# of a group by ``unbatch``, each would be copied into fresh memory (page faults).
-_WHOLE_BATCH_BYTES = 512 << 10
 _PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
 _MAX_PREFETCH = 8
 
@@ -160,22 +157,21 @@ def to_tf_dataset(
 def _fixed_dataset(
     stream: Stream, schema: Schema, batch_size: int | None, drop_remainder: bool
 ) -> tf.data.Dataset:
-    """Fixed-shape components: several batches per Python call, split by ``unbatch``.
+    """Fixed-shape components: several batches per Python call, split in ``tf.data``.
 
     Each call of ``from_generator`` costs a few hundred microseconds whatever
     its size, so the generator hands over ``[k, batch, ...]`` groups of ``k``
-    consecutive batches (about 8 MiB) and ``unbatch`` splits them in C++.
-    Batches of ``_WHOLE_BATCH_BYTES`` or more go one per call, as they are:
-    ``unbatch`` would copy each into freshly allocated memory. The arrays
-    come from the stream's aligned buffer pool, so ``from_generator`` wraps
-    them without a copy. With ``batch_size=None`` it hands over ``[n, ...]``
-    records and ``unbatch`` yields them one by one.
+    consecutive batches (about 8 MiB). The arrays come from the stream's
+    aligned buffer pool, so ``from_generator`` wraps them without a copy, and
+    ``from_tensor_slices`` (in a ``flat_map``) cuts the batches out of a group
+    as views of it where a batch's bytes keep the alignment (``unbatch``
+    would copy each into freshly allocated memory). With ``batch_size=None``
+    it hands over ``[n, ...]`` records and ``unbatch`` yields them one by one.
     """
     where = stream.ref.manifest.where
     unbatch = batch_size is None
     size = _UNBATCH_INTERNAL if batch_size is None else batch_size
-    alone = not unbatch and size * row_bytes(schema) >= _WHOLE_BATCH_BYTES
-    k = 1 if alone else stream.group_factor(size, _GROUP_BYTES, _MAX_GROUP)
+    k = stream.group_factor(size, _GROUP_BYTES, _MAX_GROUP)
     comps = schema.components
     inner = size if drop_remainder else None
     # With one batch per call (large records) there is no group axis to split.
@@ -200,9 +196,11 @@ def _fixed_dataset(
     # A flat tuple crosses from_generator faster and holds less memory than the
     # nested element (measured with 38 MB batches); the graph map repacks it.
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-    ds = ds.map(lambda *w: schema.pack(list(w)))  # regroups tensors, no copy: no threads needed
-    if not whole or unbatch:
+    if unbatch:
         ds = ds.unbatch()
+    elif not whole:
+        ds = ds.flat_map(lambda *w: tf.data.Dataset.from_tensor_slices(w))
+    ds = ds.map(lambda *w: schema.pack(list(w)))  # regroups tensors, no copy: no threads needed
     return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
 
 
