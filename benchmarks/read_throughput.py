@@ -17,7 +17,7 @@ In one run, on the same records (random bytes plus an int64 label), per case:
     snapshot and of the TFRecord file, with the bytes each rank reads;
 (f) YogaDL 0.1.4 in its own virtual environment, same shuffle and shard;
 (g) cache build time against merely iterating the same source dataset, and
-    (g3) writing the same number of bytes to a plain file with fsync (what any
+    (g3) writing the same number of bytes to a new plain file with fsync (what any
     build pays for its output on this disk).
 
 Cases: ``main`` (``--records`` x ``--record-bytes``), ``small`` (100-byte records)

@@ -185,6 +185,32 @@ def test_stream_tf_row_has_peak_rss_and_build_rows_counted(tiny_run: tuple[dict,
         )
 
 
+@pytest.mark.slow
+def test_variable_length_builds_are_paired_with_writes_of_their_own(
+    tiny_run: tuple[dict, str],
+) -> None:
+    doc, _ = tiny_run
+    for case in doc["cases"]:
+        if case["case"]["kind"] == "fixed":
+            continue
+        rows = {r["key"]: r for r in case["rows"]}
+        repeats = case["case"]["repeats"]
+        for key in ("g", "g2"):
+            row = rows[key]
+            assert row["verified"]["records"] == case["case"]["records"]
+            assert len(row["build_all"]) == len(row["write_all"]) == repeats
+            assert all(w > 0 for w in row["write_all"])
+            pairs = sorted(
+                b / (row["iterate_seconds"] + w)
+                for b, w in zip(row["build_all"], row["write_all"], strict=True)
+            )
+            assert row["ratio_with_write"] == pytest.approx(pairs[repeats // 2])
+            target = next(t for t in case["targets"] if t["target"].startswith(f"({key}) "))
+            assert target["value"] == pytest.approx(row["ratio_with_write"])
+        assert rows["g3"]["bytes_written"] == case["dataset_bytes"] > 0
+        assert len(rows["g3"]["write_all"]) == repeats
+
+
 def test_missing_yogadl_is_reported_with_its_reason(tmp_path: Path) -> None:
     not_a_venv = tmp_path / "somewhere"
     not_a_venv.mkdir()
