@@ -58,6 +58,7 @@ from benchmarks._common import (
 
 DATASET = "bench"
 SHUFFLE_BUFFER = 10000
+BUILD_PAIRS = 5  # builds, each beside a plain write, per build row (at least)
 
 
 @dataclasses.dataclass
@@ -652,11 +653,13 @@ def build_rows(
 ) -> list[dict[str, Any]]:
     """(g)/(g2) build against iterating the same source plus writing its bytes; (g3) the write.
 
-    Each build is paired with a plain write of the cache's bytes to a new file made
-    just before it, so both meet the disk in the same state: on a thin-provisioned
-    disk, blocks written for the first time cost several times a rewrite, and which
-    blocks a new file gets depends on what was freed before. The ratio is the median
-    over the pairs of build / (median iteration + that pair's write).
+    Each build is paired with a plain write of the cache's bytes to a new file, made
+    just before it or (every other pair) just after it, so both meet the disk in about
+    the same state: on a thin-provisioned disk (a cloud VM's) a block written for the
+    first time costs several times a rewrite, and whether a new file gets such blocks
+    or ones freed before is up to the file system. Both files of a pair are deleted
+    before the next pair. The ratio is the median over the pairs of
+    build / (median iteration + that pair's write).
     """
     from benchmarks._methods import payload_block, write_floor_file
 
@@ -684,21 +687,26 @@ def build_rows(
             return int(ctx.store.cache(names[-1], "1", lambda: made).num_records)
 
         it_s, it_all, counted = _sync_timed(iterate, case.repeats)
-        writes, builds, built = [], [], 0
-        paths = [ctx.work / f"write-{key}-{i}.bin" for i in range(case.repeats)]
-        try:
-            for path in paths:
-                path.unlink(missing_ok=True)
-                os.sync()
-                writes.append(write_floor_file(block, nbytes, path))
-                seconds, _, built = _sync_timed(build, 1)
+        writes, builds, counts = [], [], []
+        for i in range(max(case.repeats, BUILD_PAIRS)):
+            path = ctx.work / f"write-{key}-{i}.bin"
+            try:
+                if i % 2:  # the other order every other pair: neither always writes first
+                    seconds, _, built = _sync_timed(build, 1)
+                    os.sync()
+                    writes.append(write_floor_file(block, nbytes, path))
+                else:
+                    os.sync()
+                    writes.append(write_floor_file(block, nbytes, path))
+                    seconds, _, built = _sync_timed(build, 1)
                 builds.append(seconds)
-        finally:
-            for path in paths:
+                counts.append(built)
+            finally:  # each pair's files go before the next pair, which may reuse their blocks
                 path.unlink(missing_ok=True)
-            for name in names:
-                ctx.store.delete(name, "1")
-        ok = counted == case.records and built == case.records
+                if names:
+                    ctx.store.delete(names[-1], "1")
+        built = min(counts, default=0)
+        ok = counted == case.records and all(c == case.records for c in counts)
         mid = len(builds) // 2
         build_s, write_s = sorted(builds)[mid], sorted(writes)[mid]
         pairs = sorted(b / (it_s + w) for b, w in zip(builds, writes, strict=True))
