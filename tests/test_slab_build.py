@@ -270,6 +270,33 @@ def test_packed_and_listed_strings_of_one_column_encode_in_order() -> None:
     assert mixed.encode() == listed.encode()
 
 
+@pytest.mark.parametrize("high", [40, 2000, 30000], ids=["short", "mixed", "long"])
+def test_listed_strings_encode_alike_as_their_own_pieces_or_joined(
+    monkeypatch: pytest.MonkeyPatch, high: int
+) -> None:
+    """Long strings go into the chunk's one join as they are; the chunk bytes are the same."""
+    import yogastore.format.encode as encode
+
+    rng = np.random.default_rng(high)
+    strings = [rng.bytes(int(k)) for k in rng.integers(0, high, size=90)]
+    strings[0] = strings[45] = strings[89] = b""
+    columns = [ColumnSpec("bytes", "string", ()), ColumnSpec("fixed", "int64", ())]
+    slabs = [(0, 30), (30, 31), (31, 90)]
+
+    def encoded() -> bytearray:
+        builder = ChunkBuilder(columns)
+        for lo, hi in slabs:
+            shapes = np.zeros((hi - lo, 0), np.int64)
+            builder.add_slab(Slab(hi - lo, ((shapes, strings[lo:hi]), np.arange(lo, hi))))
+        return builder.encode()
+
+    monkeypatch.setattr(encode, "_OWN_PIECE_BYTES", 0)  # every run as its own pieces
+    pieces = encoded()
+    monkeypatch.setattr(encode, "_OWN_PIECE_BYTES", 1 << 62)  # every run joined first
+    joined = encoded()
+    assert pieces == joined and len(pieces) > sum(map(len, strings))
+
+
 def test_a_packed_slab_with_the_wrong_number_of_strings_is_refused() -> None:
     from yogastore.format.encode import PackedStrings
 

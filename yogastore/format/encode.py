@@ -329,16 +329,25 @@ def _bytes_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[Any
     )
 
 
-def _string_pieces(strings: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+#: Strings at least this long on average go into the chunk's one join as they are; shorter
+#: ones are joined into one piece first (a piece per string costs more than its copy).
+_OWN_PIECE_BYTES = 512
+
+
+def _string_pieces(strings: list[Any]) -> tuple[np.ndarray, list[np.ndarray | bytes]]:
     """The lengths of ``strings`` (``bytes`` and ``PackedStrings``) and their bytes in order."""
     lens: list[np.ndarray] = []
-    pieces: list[np.ndarray] = []
+    pieces: list[np.ndarray | bytes] = []
     run: list[bytes] = []
 
     def close() -> None:
         if run:
-            lens.append(np.fromiter(map(len, run), dtype=I64, count=len(run)))
-            pieces.append(np.frombuffer(b"".join(run), np.uint8))
+            lengths = np.fromiter(map(len, run), dtype=I64, count=len(run))
+            lens.append(lengths)
+            if int(lengths.sum()) >= _OWN_PIECE_BYTES * len(run):
+                pieces.extend(run)  # copied once, by encode_chunk's join
+            else:
+                pieces.append(np.frombuffer(b"".join(run), np.uint8))
             run.clear()
 
     for s in strings:
@@ -359,8 +368,9 @@ def _check_shape(col: ColumnSpec, shape: tuple[int, ...]) -> None:
         raise UnsupportedElementError(f"value of shape {shape} does not match {col.shape}")
 
 
-#: A region's content: an array, bytes, or a list of arrays laid out one after another.
-Region = np.ndarray | bytes | list[np.ndarray]
+#: A region's content: an array, bytes, or a list of arrays and bytes laid out one after
+#: another.
+Region = np.ndarray | bytes | list[np.ndarray] | list[np.ndarray | bytes]
 
 
 def _pieces(buf: Region) -> list[memoryview]:
