@@ -256,3 +256,21 @@ def test_profile_build_reports_a_real_build(
     assert "40 records of (16, 3) uint8" in out
     assert "iterate " in out and "build " in out and "tottime" in out
     assert list(tmp_path.iterdir()) == []  # the store is deleted afterwards
+
+
+def test_fresh_writes_times_both_rounds_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import fresh_writes
+
+    assert fresh_writes.main(["--files", "2", "--mib", "1", "--dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "new files, nothing freed before",
+        "new files after deleting those",
+    ]
+    for line in lines:
+        assert len(line.split(":")[1].split(",")) == 2 and line.endswith("s per 1 MiB")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit):
+        fresh_writes.main(["--files", "0", "--dir", str(tmp_path)])

@@ -1,0 +1,70 @@
+"""Plain writes of new files to a disk, on blocks never written before and on freed ones.
+
+Run from the repository root::
+
+    python -m benchmarks.fresh_writes                    # 6 files of 1 GiB under benchmarks/results
+    python -m benchmarks.fresh_writes --files 4 --mib 512 --dir /some/disk
+
+Writes ``--files`` new files of ``--mib`` MiB each (random bytes, ``fsync`` after each),
+keeping them all; deletes them; then writes as many new files again, which the file
+system may place on the blocks just freed. Prints the seconds of every write. On a
+thin-provisioned virtual disk (a cloud VM's), a block written for the first time can cost
+several times a rewrite of one written before; a cache build writes new files like these,
+so a benchmark that compares a build with a plain write has to meet both in the same state
+(``benchmarks/_varlen.py``, ``build_rows``). Everything written is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+
+
+def write_new(path: Path, nbytes: int, block: bytes) -> float:
+    """Seconds to write ``nbytes`` to the new file ``path`` and fsync it."""
+    start = time.perf_counter()
+    written = 0
+    with open(path, "xb") as f:
+        while written < nbytes:
+            written += f.write(block[: nbytes - written])
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=6, help="files per round")
+    parser.add_argument("--mib", type=int, default=1024, help="MiB per file")
+    parser.add_argument("--dir", type=Path, default=ROOT / "results", help="where to write")
+    args = parser.parse_args(argv)
+    if args.files < 1 or args.mib < 1:
+        parser.error("--files and --mib must be at least 1")
+    work = args.dir / f"fresh-writes-{os.getpid()}"
+    work.mkdir(parents=True)
+    block = os.urandom(4 << 20)
+    nbytes = args.mib << 20
+    paths = [work / f"f{i}.bin" for i in range(args.files)]
+    try:
+        for label in ("new files, nothing freed before", "new files after deleting those"):
+            seconds = []
+            for path in paths:
+                os.sync()
+                seconds.append(write_new(path, nbytes, block))
+            print(f"{label}: " + ", ".join(f"{s:.2f}" for s in seconds) + f" s per {args.mib} MiB")
+            for path in paths:
+                path.unlink()
+            os.sync()
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+        work.rmdir()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
