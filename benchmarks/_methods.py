@@ -493,7 +493,7 @@ def _write_floor(ctx: Context) -> dict[str, Any]:
             os.sync()
             runs.append(write_floor_file(block, nbytes, path))
     finally:
-        for path in paths:  # kept until every run is done, like the builds
+        for path in paths:  # kept until every run is done, like the fixed cases' builds
             path.unlink(missing_ok=True)
     seconds = sorted(runs)[len(runs) // 2]
     return _row(

@@ -24,7 +24,7 @@ Rows of one case, side by side on the same records:
 (the last three in ``benchmarks/_peers.py``);
 (g)/(g2)/(g3) cache build from the TFRecord file / from in-memory tensors against
      iterating the same source plus writing + syncing the same bytes to a new plain file
-     (one such write made just before each build, so both meet the disk alike).
+     (one such write next to each build, before it or after it every other pair).
 
 Every row's untimed pass checks each record's bytes against the source; each timed run
 checks its record count and label sum.
@@ -654,12 +654,15 @@ def build_rows(
     """(g)/(g2) build against iterating the same source plus writing its bytes; (g3) the write.
 
     Each build is paired with a plain write of the cache's bytes to a new file, made
-    just before it or (every other pair) just after it, so both meet the disk in about
-    the same state: on a thin-provisioned disk (a cloud VM's) a block written for the
-    first time costs several times a rewrite, and whether a new file gets such blocks
-    or ones freed before is up to the file system. Both files of a pair are deleted
-    before the next pair. The ratio is the median over the pairs of
-    build / (median iteration + that pair's write).
+    just before it or (every other pair) just after it: next to each other in time, on
+    a disk in much the same state. That is as close as a benchmark gets: on a
+    thin-provisioned disk (a cloud VM's) a block written for the first time costs
+    several times a rewrite, and whether a new file gets such blocks or ones freed
+    before is up to the file system, for the build and the write alike (a pair can
+    still split). Both files of a pair are deleted before the next pair. The ratio is
+    the median over the pairs of build / (median iteration + that pair's write); the
+    row's note gives the medians of the builds and writes on their own. (g3) keeps all
+    its files until its runs end, so it is not comparable with the paired writes.
     """
     from benchmarks._methods import payload_block, write_floor_file
 
@@ -680,31 +683,32 @@ def build_rows(
                 count += int(batch["y"].shape[0])
             return count
 
-        names: list[str] = []
+        def build(name: str, made: Any = made) -> int:
+            return int(ctx.store.cache(name, "1", lambda: made).num_records)
 
-        def build(made: Any = made, names: list[str] = names, key: str = key) -> int:
-            names.append(f"build-{key}-{len(names)}")
-            return int(ctx.store.cache(names[-1], "1", lambda: made).num_records)
+        def discard(name: str, path: Path) -> None:
+            path.unlink(missing_ok=True)
+            if (name, "1") in ctx.store.versions():
+                ctx.store.delete(name, "1")
 
         it_s, it_all, counted = _sync_timed(iterate, case.repeats)
         writes, builds, counts = [], [], []
         for i in range(max(case.repeats, BUILD_PAIRS)):
-            path = ctx.work / f"write-{key}-{i}.bin"
+            path, name = ctx.work / f"write-{key}-{i}.bin", f"build-{key}-{i}"
+            discard(name, path)  # left by an interrupted run: a cache hit is no build
             try:
                 if i % 2:  # the other order every other pair: neither always writes first
-                    seconds, _, built = _sync_timed(build, 1)
+                    seconds, _, built = _sync_timed(lambda name=name: build(name), 1)
                     os.sync()
                     writes.append(write_floor_file(block, nbytes, path))
                 else:
                     os.sync()
                     writes.append(write_floor_file(block, nbytes, path))
-                    seconds, _, built = _sync_timed(build, 1)
+                    seconds, _, built = _sync_timed(lambda name=name: build(name), 1)
                 builds.append(seconds)
                 counts.append(built)
             finally:  # each pair's files go before the next pair, which may reuse their blocks
-                path.unlink(missing_ok=True)
-                if names:
-                    ctx.store.delete(names[-1], "1")
+                discard(name, path)
         built = min(counts, default=0)
         ok = counted == case.records and all(c == case.records for c in counts)
         mid = len(builds) // 2
@@ -728,7 +732,7 @@ def build_rows(
                 runs_ok=ok,
                 verified={"ok": ok, "records": built, "expected_records": case.records},
                 note=f"build {build_s:.2f}s, iterate {it_s:.2f}s, write {write_s:.2f}s "
-                "(each build beside a write of its own)",
+                "(medians; each build beside a write of its own)",
             )
         )
     rows.append(floor)

@@ -2,16 +2,18 @@
 
 Run from the repository root::
 
-    python -m benchmarks.fresh_writes                    # 6 files of 1 GiB under benchmarks/results
+    python -m benchmarks.fresh_writes                    # 6 files of 1 GiB in benchmarks/results
     python -m benchmarks.fresh_writes --files 4 --mib 512 --dir /some/disk
 
-Writes ``--files`` new files of ``--mib`` MiB each (random bytes, ``fsync`` after each),
-keeping them all; deletes them; then writes as many new files again, which the file
-system may place on the blocks just freed. Prints the seconds of every write. On a
+Writes ``--files`` new files of ``--mib`` MiB each (one random 4 MiB block repeated, ``fsync``
+after each), keeping them all (so ``--files`` x ``--mib`` must fit on the disk); deletes
+them; then writes as many new files again, which the file system may place on the blocks
+just freed. Prints the seconds of every write. On a
 thin-provisioned virtual disk (a cloud VM's), a block written for the first time can cost
 several times a rewrite of one written before; a cache build writes new files like these,
-so a benchmark that compares a build with a plain write has to meet both in the same state
-(``benchmarks/_varlen.py``, ``build_rows``). Everything written is deleted at the end.
+so a benchmark that compares a build with a plain write has to time both close together
+(``benchmarks/_varlen.py``, ``build_rows``). Every file written, and the folder made for
+them inside ``--dir`` (which must exist), is deleted at the end.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def write_new(path: Path, nbytes: int, block: bytes) -> float:
@@ -40,12 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", type=int, default=6, help="files per round")
     parser.add_argument("--mib", type=int, default=1024, help="MiB per file")
-    parser.add_argument("--dir", type=Path, default=ROOT / "results", help="where to write")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="an existing directory to write in (default: benchmarks/results)",
+    )
     args = parser.parse_args(argv)
     if args.files < 1 or args.mib < 1:
         parser.error("--files and --mib must be at least 1")
+    if args.dir is None:
+        RESULTS.mkdir(exist_ok=True)
+        args.dir = RESULTS
+    if not args.dir.is_dir():
+        parser.error(f"--dir {args.dir} is not an existing directory")
     work = args.dir / f"fresh-writes-{os.getpid()}"
-    work.mkdir(parents=True)
+    work.mkdir()
     block = os.urandom(4 << 20)
     nbytes = args.mib << 20
     paths = [work / f"f{i}.bin" for i in range(args.files)]

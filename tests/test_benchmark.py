@@ -6,11 +6,14 @@ that their bytes match the source, and that the table and JSON say so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -274,3 +277,49 @@ def test_fresh_writes_times_both_rounds_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(SystemExit):
         fresh_writes.main(["--files", "0", "--dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        fresh_writes.main(["--files", "1", "--mib", "1", "--dir", str(tmp_path / "a" / "b")])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_build_pairs_survive_leftovers_of_an_interrupted_run(tmp_path: Path) -> None:
+    """A write file or a built dataset left by a killed run neither fails nor fakes a pair."""
+    import yogastore
+    from benchmarks import _methods, _varlen
+    from benchmarks._common import Case
+
+    case = Case(name="text", records=120, shape=(), kind="text", mean_bytes=300, repeats=2)
+    recs = _varlen.make_records(case)
+    tfrecord = tmp_path / "records.tfrecord"
+    _varlen.write_tfrecord(tfrecord, recs)
+    store = yogastore.Store(str(tmp_path / "store"))
+    ref = store.cache(_varlen.DATASET, "1", lambda: _varlen.tfrecord_source(tfrecord, case))
+    ctx = _varlen.VarContext(case, tmp_path, recs, tfrecord, store, ref)
+    (tmp_path / "write-g-0.bin").write_bytes(b"left over")
+    (tmp_path / "write-g-2.bin").write_bytes(b"left over")
+    store.cache("build-g2-1", "1", lambda: _varlen.memory_source(recs))  # a cache hit if kept
+    built: list[str] = []
+
+    class CountingStore:  # the real store; counts the sources it is made to read
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def cache(self, name: str, version: str, make: Any) -> Any:
+            def counted() -> Any:
+                built.append(name)
+                return make()
+
+            return store.cache(name, version, counted)
+
+    ctx = dataclasses.replace(ctx, store=CountingStore())
+    shim = SimpleNamespace(case=case, ref=ref, data=recs.x, work=tmp_path)
+    rows = {r["key"]: r for r in _varlen.build_rows(ctx, lambda: _methods._write_floor(shim))}
+    assert sorted(rows) == ["g", "g2", "g3"]
+    for key in ("g", "g2"):
+        assert rows[key]["runs_ok"] and len(rows[key]["build_all"]) == BUILD_PAIRS
+        assert rows[key]["error"] is None
+    # Every pair built its dataset (a leftover taken as built would be a cache hit).
+    assert built == [f"build-{k}-{i}" for k in ("g", "g2") for i in range(BUILD_PAIRS)]
+    assert [v.dataset_id for v in store.list()] == [_varlen.DATASET]
+    assert not list(tmp_path.glob("write-*"))
