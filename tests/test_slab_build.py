@@ -387,3 +387,13 @@ def test_batches_of_long_and_short_strings_alternate_in_one_first_pass(tmp_path:
     got = list(ref.stream(shuffle=False))
     assert [bytes(g["t"]) for g in got] == texts
     assert [[bytes(v) for v in g["g"]] for g in got] == grid.tolist()
+
+
+def test_a_scalar_string_given_as_a_bytearray_is_one_string(tmp_path: Path) -> None:
+    spec = {"a": yogastore.ComponentSpec(shape=(), dtype="string")}
+    values = [bytearray(b"hello"), b"", bytearray()]
+    ref = yogastore.Store(tmp_path).cache(
+        "s", "1", lambda: iter([{"a": v} for v in values]), spec=spec
+    )
+    got = [bytes(e["a"]) for e in ref.stream(shuffle=False)]
+    assert got == [b"hello", b"", b""]

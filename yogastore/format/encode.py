@@ -228,6 +228,8 @@ class ChunkBuilder:
 
     def _add_one(self, col: ColumnSpec, parts: list[Any], value: Any) -> None:
         if col.layout == "bytes":
+            if isinstance(value, bytearray):  # one string, not an array of its bytes
+                value = bytes(value)
             a = np.asarray(value, dtype=object)
             _check_shape(col, a.shape)
             strings = [
