@@ -697,16 +697,15 @@ def build_rows(
             path, name = ctx.work / f"write-{key}-{i}.bin", f"build-{key}-{i}"
             discard(name, path)  # left by an interrupted run: a cache hit is no build
             try:
-                if i % 2:  # the other order every other pair: neither always writes first
-                    seconds, _, built = _sync_timed(lambda name=name: build(name), 1)
+                # The write first, and every other pair the build first: neither always leads.
+                for step in ("write", "build")[:: -1 if i % 2 else 1]:
                     os.sync()
-                    writes.append(write_floor_file(block, nbytes, path))
-                else:
-                    os.sync()
-                    writes.append(write_floor_file(block, nbytes, path))
-                    seconds, _, built = _sync_timed(lambda name=name: build(name), 1)
-                builds.append(seconds)
-                counts.append(built)
+                    if step == "write":
+                        writes.append(write_floor_file(block, nbytes, path))
+                    else:
+                        start = time.perf_counter()
+                        counts.append(build(name))
+                        builds.append(time.perf_counter() - start)
             finally:  # each pair's files go before the next pair, which may reuse their blocks
                 discard(name, path)
         built = min(counts, default=0)

@@ -20,22 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
+from benchmarks._methods import write_floor_file
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def write_new(path: Path, nbytes: int, block: bytes) -> float:
-    """Seconds to write ``nbytes`` to the new file ``path`` and fsync it."""
-    start = time.perf_counter()
-    written = 0
-    with open(path, "xb") as f:
-        while written < nbytes:
-            written += f.write(block[: nbytes - written])
-        f.flush()
-        os.fsync(f.fileno())
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = []
             for path in paths:
                 os.sync()
-                seconds.append(write_new(path, nbytes, block))
+                seconds.append(write_floor_file(block, nbytes, path))
             print(f"{label}: " + ", ".join(f"{s:.2f}" for s in seconds) + f" s per {args.mib} MiB")
             for path in paths:
                 path.unlink()
