@@ -65,7 +65,7 @@ def check_capabilities(backend: _B) -> _B:
     """
     cls = backend if isinstance(backend, type) else type(backend)
     name = f"backend {cls.__module__}.{cls.__qualname__}"
-    for attr in ("remote", "coordinated"):
+    for attr in ("remote", "coordinated", "put_copies"):
         value = getattr(backend, attr)
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name}: {attr} must be True or False, got {value!r}")
@@ -113,6 +113,11 @@ class Backend(abc.ABC):
     coordinated: bool = True
     #: Puts a builder keeps in flight.
     upload_workers: int = 1
+    #: Whether ``put`` and ``put_exclusive`` are done with ``data`` when they return
+    #: (they copied or sent it, and keep no reference to it): a builder then writes
+    #: its next chunks into the buffers of chunks already put. Leave it ``False``
+    #: for a backend that may keep the object it was given.
+    put_copies: ClassVar[bool] = False
     #: Ranged reads a remote reader keeps in flight unless
     #: ``yogastore.ReadOptions.max_parallel`` says otherwise.
     max_parallel: int = 16

@@ -73,6 +73,18 @@ class BackendContract:
         assert bytes(backend.get("top")) == b"xyz"
         assert bytes(backend.get("a/empty")) == b""
 
+    def test_put_copies_holds_when_the_buffer_changes(self, backend: Backend) -> None:
+        """``put_copies``: a put keeps nothing of the buffer it was given."""
+        if not backend.put_copies:
+            pytest.skip(f"{type(backend).__name__} does not declare put_copies")
+        buffer = bytearray(DATA)
+        backend.put("a/put", memoryview(buffer))
+        backend.put_exclusive("a/exclusive", memoryview(buffer))
+        buffer[:] = b"X" * len(DATA)
+        assert bytes(backend.get("a/put")) == DATA
+        assert bytes(backend.get("a/exclusive")) == DATA
+        assert bytes(backend.get_range("a/put", 2, 3)) == DATA[2:5]
+
     def test_put_replaces(self, backend: Backend) -> None:
         backend.put("k", b"old value")
         backend.put("k", b"new")

@@ -578,6 +578,7 @@ class LmdbBackend(Backend):
     """Key/bytes store in LMDB environments under a local directory."""
 
     schemes = ("", "file")
+    put_copies = True
 
     def __init__(self, url: str, **options: Any) -> None:
         if options:

@@ -138,6 +138,7 @@ class S3Backend(Backend):
 
     schemes = ("s3",)
     remote = True
+    put_copies = True
 
     def __init__(self, url: str, **options: Any) -> None:
         if _IMPORT_ERROR is not None:

@@ -30,6 +30,7 @@ class MemoryBackend(Backend):
     """Keys and bytes in a dict shared by every backend object of one URL."""
 
     schemes = ("mem", "memx")
+    put_copies = True
 
     def __init__(self, url: str, **options: Any) -> None:
         if options:

@@ -75,6 +75,10 @@ class BadRemote(MemoryBackend):
     remote = "no"  # type: ignore[assignment]
 
 
+class BadCopies(MemoryBackend):
+    put_copies = 1  # type: ignore[assignment]
+
+
 class BadWorkers(MemoryBackend):
     upload_workers = 0
 
@@ -125,6 +129,7 @@ def test_an_uncoordinated_backend_runs_no_work_queue(registry: dict[str, object]
         ("mem", "tests.backends.test_registry:StrSchemes", "schemes must be a tuple"),
         ("mem", "tests.backends.test_registry:BadRemote", "remote must be True or False"),
         ("mem", "tests.backends.test_registry:BadWorkers", "upload_workers must be an integer"),
+        ("mem", "tests.backends.test_registry:BadCopies", "put_copies must be True or False"),
     ],
     ids=[
         "upper",
@@ -138,6 +143,7 @@ def test_an_uncoordinated_backend_runs_no_work_queue(registry: dict[str, object]
         "str-schemes",
         "remote-not-bool",
         "workers-zero",
+        "copies-not-bool",
     ],
 )
 def test_bad_registrations(

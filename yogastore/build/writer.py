@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -83,18 +85,51 @@ def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[Sour
 
 
 class _Uploader:
-    """Puts chunks on a thread pool, keeping a bounded number in flight."""
+    """Puts chunks on a thread pool, keeping a bounded number in flight.
+
+    For a backend that is done with a value when its put returns
+    (``Backend.put_copies``), the buffers of chunks put are handed out again
+    (``buffer``): a chunk's worth of new memory costs a page fault per page on
+    its first use, and TensorFlow's tf.data sets the allocator to give such
+    blocks back to the system as soon as they are freed (``M_TRIM_THRESHOLD``),
+    so a new buffer per chunk paid that on every chunk.
+    """
 
     def __init__(self, backend: Backend, workers: int) -> None:
         self.backend = backend
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="yoga-put")
         self.pending: list[concurrent.futures.Future[None]] = []
         self.limit = 2 * workers
+        self.reuse = bool(getattr(backend, "put_copies", False))
+        self._free: list[bytearray] = []  # buffers whose put returned
+        self._lock = threading.Lock()
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        self.pending.append(self.pool.submit(self.backend.put, key, data))
+    def buffer(self, length: int) -> bytearray:
+        """Return a buffer of at least ``length`` bytes for the next chunk."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) >= length:
+                    return self._free.pop(i)
+        # Room for chunks a little larger than this one (a chunk ends after the record
+        # that reaches its size), so that buffers fit again.
+        return bytearray(length + length // 8)
+
+    def put(self, key: str, data: bytes | memoryview, buffer: bytearray | None = None) -> None:
+        future = self.pool.submit(self.backend.put, key, data)
+        if buffer is not None and self.reuse:
+            future.add_done_callback(functools.partial(self._returned, buffer))
+        self.pending.append(future)
         while len(self.pending) > self.limit:
             self.pending.pop(0).result()
+
+    def _returned(self, buffer: bytearray, done: concurrent.futures.Future[None]) -> None:
+        # A failed put may still be reading its value (parts of an upload left running).
+        if done.cancelled() or done.exception() is not None:
+            return
+        with self._lock:
+            self._free.append(buffer)
+            if len(self._free) > self.limit + 1:
+                self._free.remove(min(self._free, key=len))
 
     def finish(self) -> None:
         try:
@@ -151,7 +186,13 @@ def write_chunks(
         nonlocal builder, first, written
         if builder.count == 0:
             return
-        data = memoryview(builder.encode())
+        taken: list[bytearray] = []
+
+        def into(length: int) -> bytearray:
+            taken.append(uploader.buffer(length))
+            return taken[-1]
+
+        data = memoryview(builder.encode(into if uploader.reuse else None))
         index_bytes = int(parse_header(data, len(data), where)["index_end"])
         key = f"{key_prefix}{len(chunks):06d}"
         chunks.append(
@@ -166,7 +207,7 @@ def write_chunks(
             )
         )
         first += builder.count
-        uploader.put(key, data)
+        uploader.put(key, data, taken[0] if taken else None)
         written += len(data)
         builder = ChunkBuilder(columns)
 

@@ -244,8 +244,8 @@ class ChunkBuilder:
             parts.append(a)
             self.nbytes += a.nbytes + 8 * (col.ndim + 1)
 
-    def encode(self) -> bytearray:
-        """Return the chunk bytes for everything added so far."""
+    def encode(self, into: Callable[[int], bytearray] | None = None) -> bytearray | memoryview:
+        """Return the chunk bytes for everything added so far (see ``encode_chunk``)."""
         regions: list[tuple[str, int, Region]] = []  # (kind, col, data)
         for i, (col, parts) in enumerate(zip(self.columns, self._parts, strict=True)):
             if col.layout == "fixed":
@@ -270,7 +270,7 @@ class ChunkBuilder:
         paged = frozenset(
             i for i, col in enumerate(self.columns) if col.layout == "fixed" and _page_sized(col)
         )
-        return encode_chunk(self.count, len(self.columns), regions, paged)
+        return encode_chunk(self.count, len(self.columns), regions, paged, into)
 
 
 def _page_sized(col: ColumnSpec) -> bool:
@@ -412,7 +412,8 @@ def encode_chunk(
     num_columns: int,
     regions: Sequence[tuple[str, int, Region]],
     paged: frozenset[int] = frozenset(),
-) -> bytearray:
+    into: Callable[[int], bytearray] | None = None,
+) -> bytearray | memoryview:
     """Lay out regions (index regions first) behind a JSON header.
 
     The index ends with the data area's block checksum table
@@ -420,6 +421,10 @@ def encode_chunk(
     In a data area of ``_PAGED_FROM`` bytes or more, the data of the columns in
     ``paged`` (records of a page or more) starts on a page of the stored value
     (see ``PAGE_PHASE``), so reading a record reads its own pages only.
+
+    With ``into``, the chunk is written to the start of ``into(length)`` (a buffer
+    of at least ``length`` bytes, which may hold old bytes: every byte of the chunk
+    is written) and returned as a view of it; otherwise it is a new bytearray.
     """
     ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
     contents = [_pieces(buf) for _k, _c, buf in ordered]
@@ -478,8 +483,31 @@ def encode_chunk(
         pieces.extend(views)
         end = start + size
     pieces.append(bytes(pos - end))
-    chunk = bytearray().join(pieces)
+    chunk = bytearray().join(pieces) if into is None else _copy_pieces(pieces, into(pos), pos)
     with memoryview(chunk) as view:
         table = digest_blocks([view[base:pos]], block)
         view[table_at : table_at + table_bytes] = table.data.cast("B")
     return chunk
+
+
+def _copy_pieces(
+    pieces: Sequence[bytes | memoryview], buffer: bytearray, length: int
+) -> memoryview:
+    """Copy ``pieces`` one after another to the start of ``buffer``; return that part of it.
+
+    A buffer used before costs no page faults, where a new one of chunk size
+    (memory the allocator maps afresh for it) does on every page.
+    """
+    if len(buffer) < length:
+        raise ValueError(
+            f"chunk buffer of {len(buffer)} bytes is smaller than the chunk ({length})"
+        )
+    view = memoryview(buffer)[:length]
+    at = 0
+    for piece in pieces:
+        n = len(piece)  # bytes, or a one-dimensional view of bytes (_pieces)
+        view[at : at + n] = piece
+        at += n
+    if at != length:
+        raise AssertionError(f"chunk pieces hold {at} bytes, the layout {length}")
+    return view
