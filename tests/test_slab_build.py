@@ -397,3 +397,25 @@ def test_a_scalar_string_given_as_a_bytearray_is_one_string(tmp_path: Path) -> N
     )
     got = [bytes(e["a"]) for e in ref.stream(shuffle=False)]
     assert got == [b"hello", b"", b""]
+
+
+def test_strings_of_a_shaped_component_given_as_bytearrays_are_strings(tmp_path: Path) -> None:
+    """Lists of bytearrays of equal length are strings, not rows of ints."""
+    cases = {
+        (2,): [[bytearray(b"ab"), bytearray(b"cd")], (bytearray(b"x"), "y")],
+        (None,): [[bytearray(b"ab"), bytearray(b"cd"), b"ef"], [], [bytearray()]],
+        (2, 2): [[[bytearray(b"ab"), bytearray(b"cd")], (bytearray(b"ef"), b"gh")]],
+    }
+    for i, (shape, values) in enumerate(cases.items()):
+        spec = {"a": yogastore.ComponentSpec(shape=shape, dtype="string")}
+        ref = yogastore.Store(tmp_path).cache(
+            f"s{i}", "1", lambda values=values: iter([{"a": v} for v in values]), spec=spec
+        )
+        got = [np.asarray(e["a"], object).tolist() for e in ref.stream(shuffle=False)]
+
+        def want(v: object) -> object:
+            if isinstance(v, list | tuple):
+                return [want(x) for x in v]
+            return v.encode() if isinstance(v, str) else bytes(v)  # type: ignore[call-overload]
+
+        assert got == [want(v) for v in values], shape

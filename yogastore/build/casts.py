@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from storage_backends.errors import UnsupportedElementError
+from yogastore.format.encode import strings_as_bytes
 from yogastore.spec import STRING, ComponentSpec, Kind, RaggedValue, SparseValue, numpy_dtype
 
 __all__ = ["as_numpy", "check_value"]
@@ -126,6 +127,8 @@ def _objects(comp: ComponentSpec, value: Any, path: str) -> np.ndarray:
 def _check_text(comp: ComponentSpec, value: Any, path: str) -> None:
     if isinstance(value, _TEXT):
         return
+    if isinstance(value, list | tuple):  # bytearrays in lists are strings, not int arrays
+        value = strings_as_bytes(value)
     if isinstance(value, np.ndarray) and value.dtype.kind in "SU":
         return
     for x in _objects(comp, value, path).reshape(-1):

@@ -14,7 +14,7 @@ from storage_backends.errors import UnsupportedElementError
 from yogastore.format.blocks import block_size, digest_blocks
 from yogastore.format.layout import I64, MAGIC, PREFIX, ColumnSpec, align
 
-__all__ = ["ChunkBuilder", "PackedStrings", "Region", "Slab", "encode_chunk"]
+__all__ = ["ChunkBuilder", "PackedStrings", "Region", "Slab", "encode_chunk", "strings_as_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -228,8 +228,11 @@ class ChunkBuilder:
 
     def _add_one(self, col: ColumnSpec, parts: list[Any], value: Any) -> None:
         if col.layout == "bytes":
-            if isinstance(value, bytearray):  # one string, not an array of its bytes
+            # A bytearray or memoryview is one string, not an array of its bytes.
+            if isinstance(value, bytearray | memoryview):
                 value = bytes(value)
+            elif isinstance(value, list | tuple):
+                value = strings_as_bytes(value)
             a = np.asarray(value, dtype=object)
             _check_shape(col, a.shape)
             strings = [
@@ -369,6 +372,18 @@ def _check_shape(col: ColumnSpec, shape: tuple[int, ...]) -> None:
         d is not None and d != s for d, s in zip(col.shape, shape, strict=True)
     ):
         raise UnsupportedElementError(f"value of shape {shape} does not match {col.shape}")
+
+
+def strings_as_bytes(value: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """Return nested lists of strings with every bytearray or memoryview as ``bytes``."""
+    return [
+        bytes(v)
+        if isinstance(v, bytearray | memoryview)
+        else strings_as_bytes(v)
+        if isinstance(v, list | tuple)
+        else v
+        for v in value
+    ]
 
 
 #: A region's content: an array, bytes, or a list of arrays and bytes laid out one after
