@@ -116,7 +116,9 @@ class Backend(abc.ABC):
     #: Whether ``put`` and ``put_exclusive`` are done with ``data`` when they return
     #: (they copied or sent it, and keep no reference to it): a builder then writes
     #: its next chunks into the buffers of chunks already put. Leave it ``False``
-    #: for a backend that may keep the object it was given.
+    #: for a backend that may keep the object it was given (or any part of it), and
+    #: set it back to ``False`` in a subclass of a backend that declares it, if the
+    #: subclass keeps values or defers writing them.
     put_copies: ClassVar[bool] = False
     #: Ranged reads a remote reader keeps in flight unless
     #: ``yogastore.ReadOptions.max_parallel`` says otherwise.

@@ -172,7 +172,7 @@ def test_the_buffer_of_a_failed_put_is_not_handed_out_again() -> None:
                 raise StorageError(errno.EIO, "put failed")
             super()._put(key, data)
 
-    uploader = writer._Uploader(Failing(f"mem://{uuid.uuid4().hex}"), 1)
+    uploader = writer._Uploader(Failing(f"mem://{uuid.uuid4().hex}"), 1, keep_bytes=1 << 20)
     try:
         bad = uploader.buffer(100)
         uploader.put("d/1/bad", memoryview(bad)[:100], bad)
@@ -200,3 +200,37 @@ def test_a_local_build_of_chunks_of_every_size_reads_back(tmp_path: Path) -> Non
     ref = store.cache("d", "1", lambda: records, spec=SPEC, progress=yogastore.NullProgress())
     assert len(ref.manifest.chunks) > 8
     _check(ref, records)
+
+
+def test_the_smallest_fitting_buffer_is_handed_out_and_oversized_ones_are_not_kept() -> None:
+    uploader = writer._Uploader(MemoryBackend(f"mem://{uuid.uuid4().hex}"), 2, keep_bytes=4096)
+    try:
+        given = [bytearray(n) for n in (3000, 9000, 1000, 2000)]
+        for i, buf in enumerate(given):
+            uploader.put(f"d/1/k{i}", memoryview(buf)[:10], buf)
+        for future in uploader.pending:
+            future.result()
+        assert sorted(map(len, uploader._free)) == [1000, 2000, 3000]  # not the 9000
+        assert uploader.buffer(1500) is given[3]
+        assert uploader.buffer(1500) is given[0]
+        assert len(uploader.buffer(1500)) == 1500 + 1500 // 8  # a new one: 1000 is too small
+    finally:
+        uploader.finish()
+    assert uploader.pending == [] and uploader._free == []
+
+
+def test_a_finished_build_leaves_no_uploader_or_buffer_behind(tmp_path: Path) -> None:
+    """The put callbacks refer to the uploader: nothing waits for the cycle collector."""
+    import gc
+
+    records = _records(300)
+    store = yogastore.Store(tmp_path, chunk_bytes=64 << 10)
+    gc.collect()
+    gc.disable()
+    try:
+        ref = store.cache("d", "1", lambda: records, spec=SPEC, progress=yogastore.NullProgress())
+        left = [o for o in gc.get_objects() if isinstance(o, writer._Uploader)]
+    finally:
+        gc.enable()
+    assert len(ref.manifest.chunks) > 10
+    assert left == []

@@ -95,28 +95,30 @@ class _Uploader:
     so a new buffer per chunk paid that on every chunk.
     """
 
-    def __init__(self, backend: Backend, workers: int) -> None:
+    def __init__(self, backend: Backend, workers: int, keep_bytes: int = 0) -> None:
         self.backend = backend
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="yoga-put")
         self.pending: list[concurrent.futures.Future[None]] = []
         self.limit = 2 * workers
         self.reuse = bool(getattr(backend, "put_copies", False))
+        # Buffers of chunks larger than this (a record larger than a chunk) are not kept.
+        self.keep_bytes = keep_bytes
         self._free: list[bytearray] = []  # buffers whose put returned
         self._lock = threading.Lock()
 
     def buffer(self, length: int) -> bytearray:
-        """Return a buffer of at least ``length`` bytes for the next chunk."""
+        """Return a buffer of at least ``length`` bytes for the next chunk: the smallest kept."""
         with self._lock:
-            for i, buf in enumerate(self._free):
-                if len(buf) >= length:
-                    return self._free.pop(i)
+            fits = [i for i, buf in enumerate(self._free) if len(buf) >= length]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
         # Room for chunks a little larger than this one (a chunk ends after the record
         # that reaches its size), so that buffers fit again.
         return bytearray(length + length // 8)
 
     def put(self, key: str, data: bytes | memoryview, buffer: bytearray | None = None) -> None:
         future = self.pool.submit(self.backend.put, key, data)
-        if buffer is not None and self.reuse:
+        if buffer is not None and self.reuse and len(buffer) <= self.keep_bytes:
             future.add_done_callback(functools.partial(self._returned, buffer))
         self.pending.append(future)
         while len(self.pending) > self.limit:
@@ -132,11 +134,17 @@ class _Uploader:
                 self._free.remove(min(self._free, key=len))
 
     def finish(self) -> None:
+        """Wait for every put; then drop the futures and the kept buffers."""
         try:
             for fut in self.pending:
                 fut.result()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
+            # The futures' callbacks refer to the uploader: without this, the buffers
+            # would live until the garbage collector found the cycle.
+            self.pending.clear()
+            with self._lock:
+                self._free.clear()
 
 
 def new_build_id() -> str:
@@ -176,7 +184,9 @@ def write_chunks(
     where = key_prefix.rsplit("/", 1)[0] + "/"
     columns: list[ColumnSpec] = [c for comp in schema.components for c in columns_for(comp)]
     chunks: list[ChunkInfo] = []
-    uploader = _Uploader(backend, upload_workers)
+    # Chunk buffers are kept for reuse up to twice the chunk size (most chunks end within
+    # a record of it); a larger chunk's buffer is freed once put.
+    uploader = _Uploader(backend, upload_workers, keep_bytes=2 * chunk_bytes + (64 << 10))
     builder = ChunkBuilder(columns)
     first = 0
     written = 0
