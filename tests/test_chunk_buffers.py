@@ -175,12 +175,12 @@ def test_the_buffer_of_a_failed_put_is_not_handed_out_again() -> None:
     uploader = writer._Uploader(Failing(f"mem://{uuid.uuid4().hex}"), 1, keep_bytes=1 << 20)
     try:
         bad = uploader.buffer(100)
-        uploader.put("d/1/bad", memoryview(bad)[:100], bad)
+        uploader.put("d/1/bad", memoryview(bad)[:100])
         with pytest.raises(StorageError, match="put failed"):
             uploader.pending[-1].result()
         good = uploader.buffer(100)
         assert good is not bad
-        uploader.put("d/1/good", memoryview(good)[:100], good)
+        uploader.put("d/1/good", memoryview(good)[:100])
         uploader.pending[-1].result()
         again = [uploader.buffer(100) for _ in range(3)]
     finally:
@@ -207,7 +207,7 @@ def test_the_smallest_fitting_buffer_is_handed_out_and_oversized_ones_are_not_ke
     try:
         given = [bytearray(n) for n in (3000, 9000, 1000, 2000)]
         for i, buf in enumerate(given):
-            uploader.put(f"d/1/k{i}", memoryview(buf)[:10], buf)
+            uploader.put(f"d/1/k{i}", memoryview(buf)[:10])
         for future in uploader.pending:
             future.result()
         assert sorted(map(len, uploader._free)) == [1000, 2000, 3000]  # not the 9000

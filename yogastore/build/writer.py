@@ -116,9 +116,11 @@ class _Uploader:
         # that reaches its size), so that buffers fit again.
         return bytearray(length + length // 8)
 
-    def put(self, key: str, data: bytes | memoryview, buffer: bytearray | None = None) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Put ``data`` on the pool; a view of a ``buffer`` is kept for reuse once put."""
         future = self.pool.submit(self.backend.put, key, data)
-        if buffer is not None and self.reuse and len(buffer) <= self.keep_bytes:
+        buffer = data.obj if isinstance(data, memoryview) else None
+        if self.reuse and isinstance(buffer, bytearray) and len(buffer) <= self.keep_bytes:
             future.add_done_callback(functools.partial(self._returned, buffer))
         self.pending.append(future)
         while len(self.pending) > self.limit:
@@ -130,8 +132,8 @@ class _Uploader:
             return
         with self._lock:
             self._free.append(buffer)
-            if len(self._free) > self.limit + 1:
-                self._free.remove(min(self._free, key=len))
+            if len(self._free) > self.limit + 1:  # drop the smallest (by position, not ==)
+                self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
     def finish(self) -> None:
         """Wait for every put; then drop the futures and the kept buffers."""
@@ -196,13 +198,7 @@ def write_chunks(
         nonlocal builder, first, written
         if builder.count == 0:
             return
-        taken: list[bytearray] = []
-
-        def into(length: int) -> bytearray:
-            taken.append(uploader.buffer(length))
-            return taken[-1]
-
-        data = memoryview(builder.encode(into if uploader.reuse else None))
+        data = memoryview(builder.encode(uploader.buffer if uploader.reuse else None))
         index_bytes = int(parse_header(data, len(data), where)["index_end"])
         key = f"{key_prefix}{len(chunks):06d}"
         chunks.append(
@@ -217,7 +213,7 @@ def write_chunks(
             )
         )
         first += builder.count
-        uploader.put(key, data, taken[0] if taken else None)
+        uploader.put(key, data)
         written += len(data)
         builder = ChunkBuilder(columns)
 
