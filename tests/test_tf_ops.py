@@ -224,7 +224,8 @@ out = {}
 stream = ref.stream(shuffle=True, seed=1)
 next(stream.batches(64, strings=yogastore.StringFormat.RANGES))
 _path, dev, ino, size = stream.source.mapped_file()
-it = iter(ref.stream(shuffle=True, seed=1, num_epochs=20).to_tf_dataset(16))
+# 120,000 records: far more than tf.data reads ahead (whole groups of batches) before the cut
+it = iter(ref.stream(shuffle=True, seed=1, num_epochs=400).to_tf_dataset(16))
 next(it)
 ranges = ref.stream(shuffle=True, seed=2).batches(4, strings=yogastore.StringFormat.RANGES)
 next(ranges), next(ranges)  # batches gathered 1, then 2 at a time: the next is gathered

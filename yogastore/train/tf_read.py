@@ -7,7 +7,7 @@ from values and row splits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -31,18 +31,31 @@ _PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
 _MAX_PREFETCH = 8
 
 
-def _finish(ds: tf.data.Dataset, element_bytes: int) -> tf.data.Dataset:
+def _finish(
+    ds: tf.data.Dataset,
+    element_bytes: int,
+    split: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None,
+) -> tf.data.Dataset:
     """Prefetch a fixed number of elements and switch the tf.data autotuner off.
 
     On a 2-core machine the autotuner's model thread competes with the
     generator for CPU and roughly every other epoch ran at 60% of the speed
     (measured with ``benchmarks/read_throughput.py``); fixed buffers do not. A
     caller's own ``with_options`` still overrides this.
+
+    ``split``, when given, cuts the prefetched elements (groups of batches)
+    into the dataset's own elements after the prefetch, in the consumer's
+    thread: the read runs ahead by whole groups, and small batches are not
+    each handed from one thread to another (a cost per batch that shows with
+    text: see the README's "Variable-length records").
     """
     depth = max(2, min(_MAX_PREFETCH, _PREFETCH_BYTES // max(1, element_bytes)))
     options = tf.data.Options()
     options.autotune.enabled = False
-    return ds.prefetch(depth).with_options(options)
+    ds = ds.prefetch(depth)
+    if split is not None:
+        ds = split(ds)
+    return ds.with_options(options)
 
 
 def _wire(comp: ComponentSpec, value: Any) -> list[Any]:
@@ -328,12 +341,13 @@ def _grouped_dataset(
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=tuple(specs))
     regroup_fn = tf.autograph.experimental.do_not_convert(regroup)  # plain graph code
-    if any(buffers):  # the kernel's copies run on tf.data threads, beside the generator
+    if any(buffers):
+        # The kernel's copies run on tf.data threads, beside the generator; whole groups
+        # are read ahead and split into batches as they are taken.
         ds = ds.map(regroup_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    else:
-        ds = ds.map(regroup_fn)
-    ds = ds.unbatch()
-    return _finish(ds, row_bytes(schema) * size)
+        return _finish(ds, round(per_record * size * k), lambda d: d.unbatch())
+    ds = ds.map(regroup_fn)
+    return _finish(ds.unbatch(), row_bytes(schema) * size)
 
 
 def record_dataset(stream: Stream, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
