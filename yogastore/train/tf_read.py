@@ -45,9 +45,9 @@ def _finish(
 
     ``split``, when given, cuts the prefetched elements (groups of batches)
     into the dataset's own elements after the prefetch, in the consumer's
-    thread: the read runs ahead by whole groups, and small batches are not
-    each handed from one thread to another (a cost per batch that shows with
-    text: see the README's "Variable-length records").
+    thread: the read runs ahead by whole groups, and batches are not each
+    handed from one thread to another, a cost per batch that decides the rate
+    of small records (see the README's speed sections).
     """
     depth = max(2, min(_MAX_PREFETCH, _PREFETCH_BYTES // max(1, element_bytes)))
     options = tf.data.Options()
@@ -206,15 +206,18 @@ def _fixed_dataset(
             if full < n and not drop_remainder:
                 yield tuple(a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays)
 
+    def split(groups: tf.data.Dataset) -> tf.data.Dataset:
+        if unbatch:
+            groups = groups.unbatch()
+        elif not whole:
+            groups = groups.flat_map(lambda *w: tf.data.Dataset.from_tensor_slices(w))
+        return groups.map(lambda *w: schema.pack(list(w)))  # regroups tensors, no copy
+
     # A flat tuple crosses from_generator faster and holds less memory than the
     # nested element (measured with 38 MB batches); the graph map repacks it.
+    # The generator's groups are read ahead and cut into batches as they are taken.
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-    if unbatch:
-        ds = ds.unbatch()
-    elif not whole:
-        ds = ds.flat_map(lambda *w: tf.data.Dataset.from_tensor_slices(w))
-    ds = ds.map(lambda *w: schema.pack(list(w)))  # regroups tensors, no copy: no threads needed
-    return _finish(ds, row_bytes(schema) * (1 if unbatch else size))
+    return _finish(ds, row_bytes(schema) * size * k, split)
 
 
 def _grouped_dataset(
@@ -346,8 +349,8 @@ def _grouped_dataset(
         # are read ahead and split into batches as they are taken.
         ds = ds.map(regroup_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return _finish(ds, round(per_record * size * k), lambda d: d.unbatch())
-    ds = ds.map(regroup_fn)
-    return _finish(ds.unbatch(), row_bytes(schema) * size)
+    # Without the kernel the map is cheap: it runs after the read-ahead, with the split.
+    return _finish(ds, round(per_record * size * k), lambda d: d.map(regroup_fn).unbatch())
 
 
 def record_dataset(stream: Stream, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
