@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,3 +97,31 @@ def test_large_batches_cut_from_groups_in_tf_data_are_the_same_records(
     np.testing.assert_array_equal(np.concatenate([b["x"].numpy() for b in got]), x[ys])
     spec = stream.to_tf_dataset(batch, drop_remainder).element_spec
     assert spec["x"].shape.as_list() == [batch if drop_remainder else None, 4096]
+
+
+def test_records_one_by_one_from_groups_over_the_prefetch_budget_are_read_ahead_as_records(
+    ref: yogastore.DatasetRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``batch_size=None``: a group too large to hold two of is not read ahead whole."""
+    import time
+
+    from yogastore.train import tf_read
+
+    # A group of this schema's records is far over a 4 KiB budget, as 256 records of 64 KiB
+    # or more are over the real one: at 1 MiB per record, two groups ahead were 512 MiB.
+    monkeypatch.setattr(tf_read, "_PREFETCH_BYTES", 4096)
+    stream = ref.stream(0, 1, shuffle=True, seed=1, num_epochs=40)  # several groups
+    produced: list[int] = []
+    inner = stream.column_batches
+
+    def counting(batch_size: int, drop_remainder: bool = False) -> Iterator[object]:
+        for item in inner(batch_size, drop_remainder):
+            produced.append(len(item[0]))
+            yield item
+
+    stream.column_batches = counting  # type: ignore[method-assign]
+    it = iter(stream.to_tf_dataset(None))
+    ys = [int(r["y"]) for r in itertools.islice(it, 300)]
+    time.sleep(1.0)  # time for tf.data to read ahead as far as it will
+    assert len(produced) == 1 and produced[0] < 40 * N, produced  # only the group being cut
+    assert set(ys) <= set(range(N)) and len(ys) == 300

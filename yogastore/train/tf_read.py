@@ -215,9 +215,13 @@ def _fixed_dataset(
 
     # A flat tuple crosses from_generator faster and holds less memory than the
     # nested element (measured with 38 MB batches); the graph map repacks it.
-    # The generator's groups are read ahead and cut into batches as they are taken.
+    # The generator's groups are read ahead and cut into batches as they are taken, but
+    # records one by one from groups too large to hold two of are read ahead as records.
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-    return _finish(ds, row_bytes(schema) * size * k, split)
+    group_bytes = row_bytes(schema) * size * k
+    if unbatch and group_bytes > _PREFETCH_BYTES:
+        return _finish(split(ds), row_bytes(schema))
+    return _finish(ds, group_bytes, split)
 
 
 def _grouped_dataset(
