@@ -107,8 +107,8 @@ def test_records_one_by_one_from_groups_over_the_prefetch_budget_are_read_ahead_
 
     from yogastore.train import tf_read
 
-    # A group of this schema's records is far over a 4 KiB budget, as 256 records of 64 KiB
-    # or more are over the real one: at 1 MiB per record, two groups ahead were 512 MiB.
+    # A group of this schema's records is far over a 4 KiB budget, as 256 records over 64 KiB
+    # are over the real one: at 1 MiB per record, two groups ahead would be 512 MiB.
     monkeypatch.setattr(tf_read, "_PREFETCH_BYTES", 4096)
     stream = ref.stream(0, 1, shuffle=True, seed=1, num_epochs=40)  # several groups
     produced: list[int] = []
