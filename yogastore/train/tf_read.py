@@ -7,7 +7,7 @@ from values and row splits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -31,11 +31,7 @@ _PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
 _MAX_PREFETCH = 8
 
 
-def _finish(
-    ds: tf.data.Dataset,
-    element_bytes: int,
-    split: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None,
-) -> tf.data.Dataset:
+def _finish(ds: tf.data.Dataset, element_bytes: int) -> tf.data.Dataset:
     """Prefetch a fixed number of elements and switch the tf.data autotuner off.
 
     On a 2-core machine the autotuner's model thread competes with the
@@ -43,19 +39,16 @@ def _finish(
     (measured with ``benchmarks/read_throughput.py``); fixed buffers do not. A
     caller's own ``with_options`` still overrides this.
 
-    ``split``, when given, cuts the prefetched elements (groups of batches)
-    into the dataset's own elements after the prefetch, in the consumer's
-    thread: the read runs ahead by whole groups, and batches are not each
-    handed from one thread to another, a cost per batch that decides the rate
-    of small records (see the README's speed sections).
+    The readers below prefetch the generator's groups of batches and cut them
+    into batches after this, in the consumer's thread: the read runs ahead by
+    whole groups, and batches are not each handed from one thread to another,
+    a cost per batch that decides the rate of small records (see the README's
+    speed sections).
     """
     depth = max(2, min(_MAX_PREFETCH, _PREFETCH_BYTES // max(1, element_bytes)))
     options = tf.data.Options()
     options.autotune.enabled = False
-    ds = ds.prefetch(depth)
-    if split is not None:
-        ds = split(ds)
-    return ds.with_options(options)
+    return ds.prefetch(depth).with_options(options)
 
 
 def _wire(comp: ComponentSpec, value: Any) -> list[Any]:
@@ -221,7 +214,7 @@ def _fixed_dataset(
     group_bytes = row_bytes(schema) * size * k
     if unbatch and group_bytes > _PREFETCH_BYTES:
         return _finish(split(ds), row_bytes(schema))
-    return _finish(ds, group_bytes, split)
+    return split(_finish(ds, group_bytes))
 
 
 def _grouped_dataset(
@@ -348,13 +341,14 @@ def _grouped_dataset(
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=tuple(specs))
     regroup_fn = tf.autograph.experimental.do_not_convert(regroup)  # plain graph code
-    if any(buffers):
-        # The kernel's copies run on tf.data threads, beside the generator; whole groups
-        # are read ahead and split into batches as they are taken.
+    if any(buffers):  # the kernel's copies run on tf.data threads, beside the generator
         ds = ds.map(regroup_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return _finish(ds, round(per_record * size * k), lambda d: d.unbatch())
-    # Without the kernel the map is cheap: it runs after the read-ahead, with the split.
-    return _finish(ds, round(per_record * size * k), lambda d: d.map(regroup_fn).unbatch())
+    # Whole groups are read ahead and split into batches as they are taken (without the
+    # kernel the map is cheap and runs after the read-ahead, with the split).
+    ds = _finish(ds, round(per_record * size * k))
+    if not any(buffers):
+        ds = ds.map(regroup_fn)
+    return ds.unbatch()
 
 
 def record_dataset(stream: Stream, batch_size: int, drop_remainder: bool) -> tf.data.Dataset:
