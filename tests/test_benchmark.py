@@ -282,6 +282,34 @@ def test_fresh_writes_times_both_rounds_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_build_parts_times_puts_in_three_processes_and_strings_both_ways(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import build_parts
+    from yogastore.format.encode import _OWN_PIECE_BYTES
+
+    argv = ["--puts", "3", "--value-mb", "0.3", "--dir", str(tmp_path), "--strings-mb", "1"]
+    assert build_parts.main([*argv, "--sizes", "512,16384", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line[:42].strip(): line[42:].split() for line in lines[2:5]}
+    # Each row ran in a process of its own; only those that used from_generator saw
+    # TensorFlow set the allocator's trim threshold.
+    assert {k: v[-1] for k, v in rows.items()} == {
+        "no TensorFlow": "no",
+        "after from_generator": "yes",
+        "after from_generator, thresholds raised": "yes",
+    }
+    for cells in rows.values():
+        assert all(float(c) > 0 for c in cells[:4])
+    strings = {line.split()[0]: line.split() for line in lines[8:]}
+    assert list(strings) == ["2-24", "512", "16384"]
+    assert _OWN_PIECE_BYTES == 8192  # what the build takes as pieces, from that length on
+    assert strings["512"][-1] == "joined" and strings["16384"][-1] == "pieces"
+    assert list(tmp_path.iterdir()) == []  # every store and file is deleted
+    with pytest.raises(SystemExit):
+        build_parts.main(["--part", "strings", "--sizes", "0"])
+
+
 @pytest.mark.slow
 def test_build_pairs_survive_leftovers_of_an_interrupted_run(tmp_path: Path) -> None:
     """A write file or a built dataset left by a killed run neither fails nor fakes a pair."""

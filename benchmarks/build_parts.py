@@ -1,0 +1,252 @@
+"""Two parts of a cache build timed on their own: the local backend's puts, and string encoding.
+
+Run from the repository root::
+
+    python -m benchmarks.build_parts                       # both parts, puts into /dev/shm
+    python -m benchmarks.build_parts --part puts --puts 250 --value-mb 4.4 --dir /some/disk
+
+``puts``: the local (LMDB) backend puts ``--puts`` values of ``--value-mb`` MB, each its own
+commit as a build puts its chunks, in three fresh processes:
+
+* ``no TensorFlow``: the process never imports it;
+* ``after from_generator``: the process first iterates a ``tf.data.Dataset.from_generator``,
+  which sets the C library's ``M_TRIM_THRESHOLD`` for the whole process (TensorFlow logs
+  "Memory patch applied"; the row says whether that line was seen). Setting it also fixes
+  glibc's threshold for serving a ``malloc`` with a fresh mapping at 128 KiB, so each of
+  LMDB's multi-megabyte page buffers is mapped anew and faulted in page by page;
+* ``after from_generator, thresholds raised``: the same, then ``mallopt`` raises both
+  thresholds again (32 MiB and 64 MiB). yogastore does not do this: it would change the
+  allocator of the user's whole process.
+
+Each process also writes the same bytes to a plain file in the same directory, value by
+value and unsynced like the puts, as the cost of one copy into the page cache. By default
+the directory is ``/dev/shm`` (memory, so a disk's speed does not blur the copies); give
+``--dir`` for a disk.
+
+``strings``: about ``--strings-mb`` MB of distinct ``bytes`` strings encoded
+(``ChunkBuilder``) into chunks of the default 4 MiB, from slabs of 512 strings (the first
+pass's batches), each chunk into one buffer used before (as a build reuses the buffer of a
+chunk already put), with the strings taken as pieces of their own and joined into one piece
+first (the build takes them as pieces from 8 KiB on average), best of ``--repeats``:
+image-like strings of 2-24 KiB, and strings of 512 B, 2, 4, 8 and 16 KiB (``--sizes``). The
+chunks are checked to be byte for byte the same both ways. This part runs in the calling
+process, without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_MODES = {
+    "plain": "no TensorFlow",
+    "tf": "after from_generator",
+    "tf-mallopt": "after from_generator, thresholds raised",
+}
+_TRIM_LOG = "M_TRIM_THRESHOLD"
+_ROOT = Path(__file__).resolve().parent.parent  # where ``-m benchmarks`` imports from
+_SLAB = 512  # strings per slab: the first pass batches 512 records
+
+
+def _apply_mode(mode: str) -> None:
+    if mode == "plain":
+        return
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_generator(
+        lambda: iter([np.int64(1)]), output_signature=tf.TensorSpec([], tf.int64)
+    )
+    for _ in ds:
+        pass
+    if mode == "tf-mallopt":
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+        if not (
+            libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 64 << 20)
+        ):
+            raise SystemExit("mallopt refused the thresholds")
+
+
+def _puts_child(mode: str, where: Path, puts: int, value_bytes: int) -> dict[str, Any]:
+    """Run in a fresh process: time the puts and the plain write, return them."""
+    from storage_backends.lmdb_backend import LmdbBackend
+
+    _apply_mode(mode)
+    value = np.random.default_rng(0).integers(0, 256, value_bytes, dtype=np.uint8).tobytes()
+    with tempfile.TemporaryDirectory(dir=where, prefix="build-parts-") as tmp:
+        backend = LmdbBackend(str(Path(tmp) / "store"))
+        seconds = []
+        for i in range(puts):
+            start = time.perf_counter()
+            backend.put(f"chunks/{i:06d}", value)
+            seconds.append(time.perf_counter() - start)
+        if backend.get(f"chunks/{puts - 1:06d}") != value:
+            raise SystemExit("the last value put did not read back")
+        backend.close()
+        start = time.perf_counter()
+        with open(Path(tmp) / "plain.bin", "wb") as f:
+            for _ in range(puts):
+                f.write(value)
+        write_s = time.perf_counter() - start
+    return {"put_seconds": seconds, "write_seconds": write_s}
+
+
+def _run_puts(args: argparse.Namespace) -> list[str]:
+    value_bytes = int(args.value_mb * 1e6)
+    lines = [
+        f"puts: {args.puts} values of {value_bytes / 1e6:.1f} MB, one commit each, into "
+        f"{args.dir} (fresh process per row)",
+        f"{'process':42s} {'ms/put':>8s} {'GB/s':>6s} {'first':>7s}  {'plain write GB/s':>16s}"
+        "  tf.data set M_TRIM_THRESHOLD",
+    ]
+    for mode, label in _MODES.items():
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
+        cmd = [sys.executable, "-m", "benchmarks.build_parts", "--child-puts", mode]
+        cmd += ["--dir", str(args.dir), "--puts", str(args.puts), "--value-mb", str(args.value_mb)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=_ROOT)
+        if proc.returncode:
+            raise SystemExit(f"{label}: the child failed:\n{proc.stderr[-2000:]}")
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        put_s = out["put_seconds"]
+        median = statistics.median(put_s)
+        seen = "yes" if _TRIM_LOG in proc.stderr else "no"
+        nbytes = value_bytes * args.puts
+        lines.append(
+            f"{label:42s} {median * 1e3:8.2f} {value_bytes / median / 1e9:6.2f} "
+            f"{put_s[0] * 1e3:7.2f}  {nbytes / out['write_seconds'] / 1e9:16.2f}  {seen}"
+        )
+    return lines
+
+
+def _encode_seconds(
+    strings: list[bytes], own_piece_bytes: int, repeats: int, chunk_bytes: int
+) -> tuple[float, str]:
+    """Best seconds of encoding ``strings`` into chunks, and a digest of the chunks."""
+    import hashlib
+
+    from yogastore.format import encode
+    from yogastore.format.layout import ColumnSpec
+
+    cols = [ColumnSpec("bytes", "string", ()), ColumnSpec("fixed", "int64", ())]
+    buffer = bytearray()
+
+    def into(length: int) -> bytearray:  # one buffer reused, as a build reuses a put chunk's
+        if len(buffer) < length:
+            buffer.extend(bytes(length - len(buffer)))
+        return buffer
+
+    # Chunks of about chunk_bytes, each of slabs of _SLAB strings (the first pass's batches).
+    chunks: list[list[list[bytes]]] = [[]]
+    size = 0
+    for i in range(0, len(strings), _SLAB):
+        slab = strings[i : i + _SLAB]
+        if size >= chunk_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(slab)
+        size += sum(map(len, slab))
+    saved = encode._OWN_PIECE_BYTES
+    encode._OWN_PIECE_BYTES = own_piece_bytes
+    try:
+        best, digest = float("inf"), ""
+        for _ in range(repeats):
+            hasher = hashlib.sha256()
+            elapsed = 0.0
+            for slabs in chunks:
+                builder = encode.ChunkBuilder(cols)
+                start = time.perf_counter()
+                for slab in slabs:
+                    n = len(slab)
+                    shapes = np.ones((n, 0), np.int64)
+                    builder.add_slab(encode.Slab(n, ((shapes, slab), np.arange(n, dtype=np.int64))))
+                out = builder.encode(into)
+                elapsed += time.perf_counter() - start
+                hasher.update(out)
+            best, digest = min(best, elapsed), hasher.hexdigest()
+    finally:
+        encode._OWN_PIECE_BYTES = saved
+    return best, digest
+
+
+def _run_strings(args: argparse.Namespace) -> list[str]:
+    from yogastore.format.encode import _OWN_PIECE_BYTES
+    from yogastore.store import DEFAULT_CHUNK_BYTES
+
+    rng = np.random.default_rng(0)
+    total = args.strings_mb * 1_000_000
+    sets = [("2-24 KiB", rng.integers(2 << 10, (24 << 10) + 1, total // (13 << 10)))]
+    for size in args.sizes:
+        sets.append((f"{size} B", np.full(total // size, size)))
+    lines = [
+        f"strings: about {args.strings_mb} MB of distinct strings encoded into chunks of "
+        f"{DEFAULT_CHUNK_BYTES / 2**20:.0f} MiB from slabs of {_SLAB}, best of {args.repeats}",
+        f"{'strings':12s} {'count':>7s} {'MB':>6s} {'as pieces ms':>13s} {'joined ms':>10s} "
+        f"{'build takes':>12s}",
+    ]
+    for label, lengths in sets:
+        blob = rng.bytes(int(lengths.sum()))
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        strings = [blob[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]
+        pieces_s, pieces = _encode_seconds(strings, 0, args.repeats, DEFAULT_CHUNK_BYTES)
+        joined_s, joined = _encode_seconds(strings, 1 << 62, args.repeats, DEFAULT_CHUNK_BYTES)
+        if pieces != joined:
+            raise SystemExit(f"{label}: the two ways encoded different chunks")
+        takes = "pieces" if lengths.mean() >= _OWN_PIECE_BYTES else "joined"
+        lines.append(
+            f"{label:12s} {len(lengths):7d} {len(blob) / 1e6:6.1f} {pieces_s * 1e3:13.1f} "
+            f"{joined_s * 1e3:10.1f} {takes:>12s}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("all", "puts", "strings"), default="all")
+    parser.add_argument("--puts", type=int, default=250, help="values put per process")
+    parser.add_argument("--value-mb", type=float, default=4.4, help="MB per value")
+    parser.add_argument("--dir", type=Path, default=None, help="where the puts go")
+    parser.add_argument("--strings-mb", type=int, default=48, help="MB per chunk of strings")
+    parser.add_argument(
+        "--sizes",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[512, 2048, 4096, 8192, 16384],
+        help="comma-separated string lengths of the uniform sets, bytes",
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--child-puts", choices=tuple(_MODES), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.puts < 1 or args.value_mb <= 0 or args.strings_mb < 1 or args.repeats < 1:
+        parser.error("--puts, --value-mb, --strings-mb and --repeats must be positive")
+    if any(size < 1 for size in args.sizes):
+        parser.error("--sizes must be positive")
+    if args.dir is None:
+        args.dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    if not args.dir.is_dir():
+        parser.error(f"--dir {args.dir} is not an existing directory")
+    if args.child_puts:
+        out = _puts_child(args.child_puts, args.dir, args.puts, int(args.value_mb * 1e6))
+        print(json.dumps(out))
+        return 0
+    lines: list[str] = []
+    if args.part in ("all", "puts"):
+        lines += _run_puts(args)
+    if args.part in ("all", "strings"):
+        lines += ([""] if lines else []) + _run_strings(args)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
