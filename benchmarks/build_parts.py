@@ -30,7 +30,8 @@ chunk already put), with the strings taken as pieces of their own and joined int
 first (the build takes them as pieces from 8 KiB on average), best of ``--repeats``:
 image-like strings of 2-24 KiB, and strings of 512 B, 2, 4, 8 and 16 KiB (``--sizes``). The
 chunks are checked to be byte for byte the same both ways. This part runs in the calling
-process, without TensorFlow.
+process, without TensorFlow, or with ``--after-from-generator`` after iterating a
+``from_generator`` dataset as above.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def _run_strings(args: argparse.Namespace) -> list[str]:
         sets.append((f"{size} B", np.full(total // size, size)))
     lines = [
         f"strings: about {args.strings_mb} MB of distinct strings encoded into chunks of "
-        f"{DEFAULT_CHUNK_BYTES / 2**20:.0f} MiB from slabs of {_SLAB}, best of {args.repeats}",
+        f"{DEFAULT_CHUNK_BYTES / 2**20:.0f} MiB from slabs of {_SLAB}, best of {args.repeats}"
+        + (", after from_generator" if args.after_from_generator else ""),
         f"{'strings':12s} {'count':>7s} {'MB':>6s} {'as pieces ms':>13s} {'joined ms':>10s} "
         f"{'build takes':>12s}",
     ]
@@ -225,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated string lengths of the uniform sets, bytes",
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--after-from-generator",
+        action="store_true",
+        help="encode the strings after tf.data's from_generator set the allocator",
+    )
     parser.add_argument("--child-puts", choices=tuple(_MODES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.puts < 1 or args.value_mb <= 0 or args.strings_mb < 1 or args.repeats < 1:
@@ -243,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("all", "puts"):
         lines += _run_puts(args)
     if args.part in ("all", "strings"):
+        if args.after_from_generator:
+            _apply_mode("tf")
         lines += ([""] if lines else []) + _run_strings(args)
     print("\n".join(lines))
     return 0
