@@ -27,7 +27,7 @@ the directory is ``/dev/shm`` (memory, so a disk's speed does not blur the copie
 (``ChunkBuilder``) into chunks of the default 4 MiB, from slabs of 512 strings (the first
 pass's batches), each chunk into one buffer used before (as a build reuses the buffer of a
 chunk already put), with the strings taken as pieces of their own and joined into one piece
-first (the build takes them as pieces from 8 KiB on average), best of ``--repeats``:
+first (the build takes them as pieces from 2 KiB on average), best of ``--repeats``:
 image-like strings of 2-24 KiB, and strings of 512 B, 2, 4, 8 and 16 KiB (``--sizes``). The
 chunks are checked to be byte for byte the same both ways. This part runs in the calling
 process, without TensorFlow, or with ``--after-from-generator`` after iterating a
@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,34 +83,35 @@ def _apply_mode(mode: str) -> None:
             raise SystemExit("mallopt refused the thresholds")
 
 
-def _puts_child(mode: str, where: Path, puts: int, value_bytes: int) -> dict[str, Any]:
-    """Run in a fresh process: time the puts and the plain write, return them."""
+def _puts_child(mode: str, tmp: Path, puts: int, value_bytes: int) -> dict[str, Any]:
+    """Run in a fresh process: time the puts and the plain write into ``tmp``, return them.
+
+    The parent makes ``tmp`` and removes it, also when this process is killed.
+    """
     from storage_backends.lmdb_backend import LmdbBackend
 
     _apply_mode(mode)
     value = np.random.default_rng(0).integers(0, 256, value_bytes, dtype=np.uint8).tobytes()
-    with tempfile.TemporaryDirectory(dir=where, prefix="build-parts-") as tmp:
-        backend = LmdbBackend(str(Path(tmp) / "store"))
-        seconds = []
-        for i in range(puts):
-            start = time.perf_counter()
-            backend.put(f"chunks/{i:06d}", value)
-            seconds.append(time.perf_counter() - start)
-        if backend.get(f"chunks/{puts - 1:06d}") != value:
-            raise SystemExit("the last value put did not read back")
-        backend.close()
+    backend = LmdbBackend(str(tmp / "store"))
+    seconds = []
+    for i in range(puts):
         start = time.perf_counter()
-        with open(Path(tmp) / "plain.bin", "wb") as f:
-            for _ in range(puts):
-                f.write(value)
-        write_s = time.perf_counter() - start
-    return {"put_seconds": seconds, "write_seconds": write_s}
+        backend.put(f"chunks/{i:06d}", value)
+        seconds.append(time.perf_counter() - start)
+    if backend.get(f"chunks/{puts - 1:06d}") != value:
+        raise SystemExit("the last value put did not read back")
+    backend.close()
+    start = time.perf_counter()
+    with open(tmp / "plain.bin", "wb") as f:
+        for _ in range(puts):
+            f.write(value)
+    return {"put_seconds": seconds, "write_seconds": time.perf_counter() - start}
 
 
 def _run_puts(args: argparse.Namespace) -> list[str]:
     value_bytes = int(args.value_mb * 1e6)
     lines = [
-        f"puts: {args.puts} values of {value_bytes / 1e6:.1f} MB, one commit each, into "
+        f"puts: {args.puts} values of {value_bytes:,} bytes, one commit each, into "
         f"{args.dir} (fresh process per row)",
         f"{'process':42s} {'ms/put':>8s} {'GB/s':>6s} {'first':>7s}  {'plain write GB/s':>16s}"
         "  tf.data set M_TRIM_THRESHOLD",
@@ -115,8 +119,14 @@ def _run_puts(args: argparse.Namespace) -> list[str]:
     for mode, label in _MODES.items():
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
         cmd = [sys.executable, "-m", "benchmarks.build_parts", "--child-puts", mode]
-        cmd += ["--dir", str(args.dir), "--puts", str(args.puts), "--value-mb", str(args.value_mb)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=_ROOT)
+        tmp = Path(tempfile.mkdtemp(dir=args.dir, prefix="build-parts-"))
+        cmd += ["--dir", str(tmp), "--puts", str(args.puts), "--value-mb", str(args.value_mb)]
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, env=env, check=False, cwd=_ROOT
+            )
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         if proc.returncode:
             raise SystemExit(f"{label}: the child failed:\n{proc.stderr[-2000:]}")
         out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -141,23 +151,25 @@ def _encode_seconds(
     from yogastore.format.layout import ColumnSpec
 
     cols = [ColumnSpec("bytes", "string", ()), ColumnSpec("fixed", "int64", ())]
-    buffer = bytearray()
+    buffers = [bytearray()]
 
     def into(length: int) -> bytearray:  # one buffer reused, as a build reuses a put chunk's
-        if len(buffer) < length:
-            buffer.extend(bytes(length - len(buffer)))
-        return buffer
+        if len(buffers[0]) < length:
+            buffers[0] = bytearray(length + (1 << 20))
+        return buffers[0]
 
     # Chunks of about chunk_bytes, each of slabs of _SLAB strings (the first pass's batches).
-    chunks: list[list[list[bytes]]] = [[]]
+    # A chunk ends at the string that brings it to chunk_bytes, as the writer cuts them.
+    chunks: list[list[list[bytes]]] = [[[]]]
     size = 0
-    for i in range(0, len(strings), _SLAB):
-        slab = strings[i : i + _SLAB]
+    for string in strings:
         if size >= chunk_bytes:
-            chunks.append([])
+            chunks.append([[]])
             size = 0
-        chunks[-1].append(slab)
-        size += sum(map(len, slab))
+        if len(chunks[-1][-1]) == _SLAB:
+            chunks[-1].append([])
+        chunks[-1][-1].append(string)
+        size += len(string)
     saved = encode._OWN_PIECE_BYTES
     encode._OWN_PIECE_BYTES = own_piece_bytes
     try:
@@ -175,6 +187,7 @@ def _encode_seconds(
                 out = builder.encode(into)
                 elapsed += time.perf_counter() - start
                 hasher.update(out)
+                del out
             best, digest = min(best, elapsed), hasher.hexdigest()
     finally:
         encode._OWN_PIECE_BYTES = saved
@@ -213,16 +226,27 @@ def _run_strings(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def _sizes(value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {value!r}") from None
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # so that the temporary directories are removed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("all", "puts", "strings"), default="all")
     parser.add_argument("--puts", type=int, default=250, help="values put per process")
     parser.add_argument("--value-mb", type=float, default=4.4, help="MB per value")
     parser.add_argument("--dir", type=Path, default=None, help="where the puts go")
-    parser.add_argument("--strings-mb", type=int, default=48, help="MB per chunk of strings")
+    parser.add_argument("--strings-mb", type=int, default=48, help="MB of strings per set")
     parser.add_argument(
         "--sizes",
-        type=lambda v: [int(x) for x in v.split(",") if x],
+        type=_sizes,
         default=[512, 2048, 4096, 8192, 16384],
         help="comma-separated string lengths of the uniform sets, bytes",
     )
@@ -236,16 +260,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.puts < 1 or args.value_mb <= 0 or args.strings_mb < 1 or args.repeats < 1:
         parser.error("--puts, --value-mb, --strings-mb and --repeats must be positive")
-    if any(size < 1 for size in args.sizes):
-        parser.error("--sizes must be positive")
+    if not math.isfinite(args.value_mb) or int(args.value_mb * 1e6) < 1:
+        parser.error("--value-mb must be a finite number of at least 0.000001")
+    if not args.sizes or any(not 1 <= size <= args.strings_mb * 1_000_000 for size in args.sizes):
+        parser.error("--sizes must be lengths from 1 byte to --strings-mb")
+    if args.after_from_generator and args.part == "puts":
+        parser.error("--after-from-generator applies to the strings part")
     if args.dir is None:
         args.dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     if not args.dir.is_dir():
         parser.error(f"--dir {args.dir} is not an existing directory")
+    if not os.access(args.dir, os.W_OK | os.X_OK):
+        parser.error(f"--dir {args.dir} is not writable")
+    args.dir = args.dir.resolve()  # the children run from the repository root
     if args.child_puts:
         out = _puts_child(args.child_puts, args.dir, args.puts, int(args.value_mb * 1e6))
         print(json.dumps(out))
         return 0
+    signal.signal(signal.SIGTERM, _on_sigterm)
     lines: list[str] = []
     if args.part in ("all", "puts"):
         lines += _run_puts(args)

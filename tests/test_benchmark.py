@@ -303,7 +303,7 @@ def test_build_parts_times_puts_in_three_processes_and_strings_both_ways(
         assert all(float(c) > 0 for c in cells[:4])
     strings = {line.split()[0]: line.split() for line in lines[8:]}
     assert list(strings) == ["2-24", "512", "16384"]
-    assert _OWN_PIECE_BYTES == 8192  # what the build takes as pieces, from that length on
+    assert _OWN_PIECE_BYTES == 2048  # what the build takes as pieces, from that length on
     assert strings["512"][-1] == "joined" and strings["16384"][-1] == "pieces"
     assert list(tmp_path.iterdir()) == []  # every store and file is deleted
     with pytest.raises(SystemExit):

@@ -335,10 +335,9 @@ def _bytes_runs(col: ColumnSpec, parts: list[Any]) -> tuple[np.ndarray, list[Any
 
 
 #: Strings at least this long on average go into the chunk's one join as they are; shorter
-#: ones are joined into one piece first: below about 6-8 KiB a piece per string costs more
-#: than the extra copy (``python -m benchmarks.build_parts --part strings``: 512 B strings
-#: encoded about 3x slower as pieces, 2 KiB ones 1.6x, 12-16 KiB ones faster).
-_OWN_PIECE_BYTES = 8192
+#: ones are joined into one piece first (below about 1.5-2 KiB a piece per string cost more
+#: than the extra copy: 512 B strings encoded about 2x slower as pieces).
+_OWN_PIECE_BYTES = 2048
 
 
 def _string_pieces(strings: list[Any]) -> tuple[np.ndarray, list[np.ndarray | bytes]]:
