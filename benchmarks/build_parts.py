@@ -1,4 +1,4 @@
-"""Two parts of a cache build timed on their own: the local backend's puts, and string encoding.
+"""Parts of a cache build timed on their own: the local backend's puts, string encoding, threads.
 
 Run from the repository root::
 
@@ -32,6 +32,15 @@ image-like strings of 2-24 KiB, and strings of 512 B, 2, 4, 8 and 16 KiB (``--si
 chunks are checked to be byte for byte the same both ways. This part runs in the calling
 process, without TensorFlow, or with ``--after-from-generator`` after iterating a
 ``from_generator`` dataset as above.
+
+``build``: ``--builds`` builds of ``--build-records`` image-like records (2-24 KiB strings plus
+an int64 label, from in-memory tensors: the ``g2`` row of ``read_throughput``'s ``images``
+case) into the local backend in ``--dir``, in two fresh processes, one that has not used
+``from_generator`` and one that has. For each build: its seconds, the seconds the putting
+thread spent inside the backend's puts, and the CPU seconds of the calling thread, which
+iterates the source and encodes the chunks meanwhile; the process's median iteration of
+the source (``batch(512)``) is printed beside them. An untimed build comes first (the
+first in a process pays one-time costs), and each build's dataset is deleted before the next.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from typing import Any
 import numpy as np
 
 _MODES = {
+    "tf-unused": "without from_generator",
     "plain": "no TensorFlow",
     "tf": "after from_generator",
     "tf-mallopt": "after from_generator, thresholds raised",
@@ -108,6 +118,100 @@ def _puts_child(mode: str, tmp: Path, puts: int, value_bytes: int) -> dict[str, 
     return {"put_seconds": seconds, "write_seconds": time.perf_counter() - start}
 
 
+def _build_child(mode: str, tmp: Path, records: int, builds: int) -> dict[str, Any]:
+    """Run in a fresh process: time ``builds`` builds into ``tmp``, return the figures."""
+    import threading
+
+    import tensorflow as tf
+
+    import yogastore
+    from benchmarks._common import steady
+    from storage_backends.lmdb_backend import LmdbBackend
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2 << 10, (24 << 10) + 1, records)
+    blob = rng.bytes(int(lengths.sum()))
+    ends = np.cumsum(lengths)
+    xs = tf.constant([blob[e - n : e] for e, n in zip(ends, lengths, strict=True)], tf.string)
+    labels = np.arange(records, dtype=np.int64)
+    del blob
+
+    def source() -> tf.data.Dataset:  # as read_throughput's g2 row: the autotuner off
+        return steady(tf.data.Dataset.from_tensor_slices({"x": xs, "y": labels}))
+
+    if mode == "tf":
+        _apply_mode("tf")
+    iterations = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _batch in source().batch(512).prefetch(2):
+            pass
+        iterations.append(time.perf_counter() - start)
+    in_puts = [0.0]
+    lock = threading.Lock()
+    put = LmdbBackend._put
+
+    def timed_put(self: Any, key: str, data: Any) -> None:
+        start = time.perf_counter()
+        try:
+            put(self, key, data)
+        finally:
+            with lock:
+                in_puts[0] += time.perf_counter() - start
+
+    LmdbBackend._put = timed_put  # type: ignore[method-assign]
+    store = yogastore.Store(str(tmp / "store"))
+    store.cache("warm", "1", source)  # untimed: the process's first build pays one-time costs
+    store.delete("warm", "1")
+    out: dict[str, Any] = {"iterate": statistics.median(iterations), "builds": []}
+    for i in range(builds):
+        in_puts[0] = 0.0
+        os.sync()
+        cpu, start = time.thread_time(), time.perf_counter()
+        ref = store.cache(f"build-{i}", "1", source)
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        if ref.num_records != records:
+            raise SystemExit(f"build {i} cached {ref.num_records} records of {records}")
+        out["builds"].append({"seconds": wall, "in_puts": in_puts[0], "calling_cpu": cpu})
+        out["bytes"] = int(ref.manifest.nbytes)
+        store.delete(f"build-{i}", "1")
+    return out
+
+
+def _child(kind: str, mode: str, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Run ``--child-<kind> mode`` in a fresh process in a directory of its own, removed after."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
+    tmp = Path(tempfile.mkdtemp(dir=args.dir, prefix="build-parts-"))
+    cmd = [sys.executable, "-m", "benchmarks.build_parts", f"--child-{kind}", mode]
+    cmd += ["--dir", str(tmp), "--puts", str(args.puts), "--value-mb", str(args.value_mb)]
+    cmd += ["--build-records", str(args.build_records), "--builds", str(args.builds)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=_ROOT)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if proc.returncode:
+        raise SystemExit(f"{_MODES[mode]}: the child failed:\n{proc.stderr[-2000:]}")
+    seen = "yes" if _TRIM_LOG in proc.stderr else "no"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), seen
+
+
+def _run_builds(args: argparse.Namespace) -> list[str]:
+    lines = [
+        f"build: {args.builds} builds of {args.build_records} records of 2-24 KiB strings + "
+        f"int64 label from in-memory tensors into {args.dir} (fresh process per mode; s)",
+        f"{'process':28s} {'iterate':>8s} {'build':>7s} {'in puts':>8s} {'calling CPU':>12s}"
+        "  tf.data set M_TRIM_THRESHOLD",
+    ]
+    for mode in ("tf-unused", "tf"):
+        out, seen = _child("build", mode, args)
+        for build in out["builds"]:
+            lines.append(
+                f"{_MODES[mode]:28s} {out['iterate']:8.3f} {build['seconds']:7.3f} "
+                f"{build['in_puts']:8.3f} {build['calling_cpu']:12.3f}  {seen}"
+            )
+    return lines
+
+
 def _run_puts(args: argparse.Namespace) -> list[str]:
     value_bytes = int(args.value_mb * 1e6)
     lines = [
@@ -116,23 +220,11 @@ def _run_puts(args: argparse.Namespace) -> list[str]:
         f"{'process':42s} {'ms/put':>8s} {'GB/s':>6s} {'first':>7s}  {'plain write GB/s':>16s}"
         "  tf.data set M_TRIM_THRESHOLD",
     ]
-    for mode, label in _MODES.items():
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
-        cmd = [sys.executable, "-m", "benchmarks.build_parts", "--child-puts", mode]
-        tmp = Path(tempfile.mkdtemp(dir=args.dir, prefix="build-parts-"))
-        cmd += ["--dir", str(tmp), "--puts", str(args.puts), "--value-mb", str(args.value_mb)]
-        try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, env=env, check=False, cwd=_ROOT
-            )
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if proc.returncode:
-            raise SystemExit(f"{label}: the child failed:\n{proc.stderr[-2000:]}")
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mode in ("plain", "tf", "tf-mallopt"):
+        label = _MODES[mode]
+        out, seen = _child("puts", mode, args)
         put_s = out["put_seconds"]
         median = statistics.median(put_s)
-        seen = "yes" if _TRIM_LOG in proc.stderr else "no"
         nbytes = value_bytes * args.puts
         lines.append(
             f"{label:42s} {median * 1e3:8.2f} {value_bytes / median / 1e9:6.2f} "
@@ -239,7 +331,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "puts", "strings"), default="all")
+    parser.add_argument("--part", choices=("all", "puts", "strings", "build"), default="all")
     parser.add_argument("--puts", type=int, default=250, help="values put per process")
     parser.add_argument("--value-mb", type=float, default=4.4, help="MB per value")
     parser.add_argument("--dir", type=Path, default=None, help="where the puts go")
@@ -256,10 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="encode the strings after tf.data's from_generator set the allocator",
     )
+    parser.add_argument("--build-records", type=int, default=80_000, help="records per build")
+    parser.add_argument("--builds", type=int, default=5, help="builds per process")
+    parser.add_argument("--child-build", choices=("tf-unused", "tf"), help=argparse.SUPPRESS)
     parser.add_argument("--child-puts", choices=tuple(_MODES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.puts < 1 or args.value_mb <= 0 or args.strings_mb < 1 or args.repeats < 1:
-        parser.error("--puts, --value-mb, --strings-mb and --repeats must be positive")
+    if min(args.puts, args.strings_mb, args.repeats, args.build_records, args.builds) < 1:
+        parser.error(
+            "--puts, --strings-mb, --repeats, --build-records and --builds must be positive"
+        )
     if not math.isfinite(args.value_mb) or int(args.value_mb * 1e6) < 1:
         parser.error("--value-mb must be a finite number of at least 0.000001")
     if not args.sizes or any(not 1 <= size <= args.strings_mb * 1_000_000 for size in args.sizes):
@@ -277,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         out = _puts_child(args.child_puts, args.dir, args.puts, int(args.value_mb * 1e6))
         print(json.dumps(out))
         return 0
+    if args.child_build:
+        print(json.dumps(_build_child(args.child_build, args.dir, args.build_records, args.builds)))
+        return 0
     signal.signal(signal.SIGTERM, _on_sigterm)
     lines: list[str] = []
     if args.part in ("all", "puts"):
@@ -285,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.after_from_generator:
             _apply_mode("tf")
         lines += ([""] if lines else []) + _run_strings(args)
+    if args.part in ("all", "build"):
+        lines += ([""] if lines else []) + _run_builds(args)
     print("\n".join(lines))
     return 0
 

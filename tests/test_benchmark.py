@@ -282,14 +282,15 @@ def test_fresh_writes_times_both_rounds_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_build_parts_times_puts_in_three_processes_and_strings_both_ways(
+def test_build_parts_times_puts_strings_and_builds_in_processes_of_their_own(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from benchmarks import build_parts
     from yogastore.format.encode import _OWN_PIECE_BYTES
 
     argv = ["--puts", "3", "--value-mb", "0.3", "--dir", str(tmp_path), "--strings-mb", "1"]
-    assert build_parts.main([*argv, "--sizes", "512,16384", "--repeats", "1"]) == 0
+    argv += ["--build-records", "600", "--builds", "2", "--sizes", "512,16384", "--repeats", "1"]
+    assert build_parts.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line[:42].strip(): line[42:].split() for line in lines[2:5]}
     # Each row ran in a process of its own; only those that used from_generator saw
@@ -301,8 +302,16 @@ def test_build_parts_times_puts_in_three_processes_and_strings_both_ways(
     }
     for cells in rows.values():
         assert all(float(c) > 0 for c in cells[:4])
-    strings = {line.split()[0]: line.split() for line in lines[8:]}
+    strings = {line.split()[0]: line.split() for line in lines[8:11]}
     assert list(strings) == ["2-24", "512", "16384"]
+    assert lines[11] == "" and lines[12].startswith("build: 2 builds of 600 records")
+    # Two builds in each of two processes, each of 600 records (the child checks the count).
+    builds = lines[-4:]
+    assert [b.split()[0] for b in builds] == ["without"] * 2 + ["after"] * 2
+    assert [b.split()[-1] for b in builds] == ["no", "no", "yes", "yes"]
+    for b in builds:
+        iterate, seconds, in_puts, cpu = (float(c) for c in b.split()[-5:-1])
+        assert seconds > 0 and 0 < in_puts < seconds and iterate > 0 and cpu > 0
     assert _OWN_PIECE_BYTES == 2048  # what the build takes as pieces, from that length on
     assert strings["512"][-1] == "joined" and strings["16384"][-1] == "pieces"
     assert list(tmp_path.iterdir()) == []  # every store and file is deleted
