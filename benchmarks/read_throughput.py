@@ -83,8 +83,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--small-records", type=int, default=100000, help="records of 100 B")
     p.add_argument("--large-records", type=int, default=2000, help="images of 224x224x3")
     p.add_argument("--images-records", type=int, default=80000, help="images of 2-24 KiB (1 GiB)")
-    p.add_argument("--text-records", type=int, default=400000, help="texts of 50-500 B")
-    p.add_argument("--jpeg-records", type=int, default=4000, help="real JPEGs, 64-128 px")
+    p.add_argument("--text-records", type=int, default=2_200_000, help="texts of 50-500 B (1 GiB)")
+    p.add_argument(
+        "--jpeg-records",
+        type=int,
+        default=160_000,
+        help="real JPEGs, 64-128 px (1 GiB; 4,000 distinct ones repeated)",
+    )
     p.add_argument(
         "--cases",
         default="main,small,large,images,text,jpeg",
