@@ -70,22 +70,11 @@ def grain_row(ctx: VarContext) -> dict[str, Any]:
             "tokens": [p[2] for p in parsed],
         }
 
-    # Its first GRAIN_RECORDS of the rank's shuffled slice, fewer where one batch shows that
-    # a pass of them would take over the case's seconds per run: every record a random read
-    # all the same, at a few thousand records per second for images and under a hundred for
-    # 2.2 million texts (a whole slice of 100,000 texts took minutes per pass).
-    # The second batch is timed: the first opens the file and reads its index.
-    probe = iter(
-        grain.MapDataset.source(source)
-        .shuffle(seed=case.seed)[lo:hi]
-        .batch(case.batch_size, batch_fn=batch_fn)
-    )
-    next(probe, None)
-    start = time.perf_counter()
-    timed = next(probe, None)
-    per_record = (time.perf_counter() - start) / max(1, len(timed["y"]) if timed else 1)
-    fit = int(case.max_seconds / per_record) if per_record > 0 else GRAIN_RECORDS
-    hi = min(hi, lo + max(case.batch_size, min(GRAIN_RECORDS, fit)))
+    # Its first GRAIN_RECORDS of the rank's shuffled slice at most, and only the whole batches
+    # of them that the untimed checking pass reads in the case's seconds per run: every record
+    # a random read all the same, at thousands of records per second for images and a few
+    # hundred or less for 2.2 million texts.
+    hi = min(hi, lo + GRAIN_RECORDS)
 
     def dataset() -> Any:
         # The same shuffle every pass: its records are then known for the checks.
@@ -98,8 +87,13 @@ def grain_row(ctx: VarContext) -> dict[str, Any]:
 
     checker = Checker(ctx.recs)
     text = case.kind == "text"
+    start, read = time.perf_counter(), 0
     for batch in dataset():
         checker.add(batch["y"], batch["x"], batch["tokens"] if text else None)
+        read += len(batch["y"])
+        if time.perf_counter() - start > case.max_seconds:
+            break
+    hi = lo + read  # the timed passes read these records (dataset() slices up to hi)
     expected_one = np.concatenate(checker.labels)
     distinct = len(np.unique(expected_one)) == hi - lo == len(expected_one)
     passes = plan_passes(case, hi - lo, lambda p: consume(passes_of(p), lambda b: b["y"]))
