@@ -11,7 +11,8 @@ commit as a build puts its chunks, in three fresh processes:
 * ``no TensorFlow``: the process never imports it;
 * ``after from_generator``: the process first iterates a ``tf.data.Dataset.from_generator``,
   which sets the C library's ``M_TRIM_THRESHOLD`` for the whole process (TensorFlow logs
-  "Memory patch applied"; the row says whether that line was seen). Setting it also fixes
+  "Memory patch applied: M_TRIM_THRESHOLD=128 kb was set"; the row says whether the child's
+  log named ``M_TRIM_THRESHOLD``). Setting it also fixes
   glibc's threshold for serving a ``malloc`` with a fresh mapping at 128 KiB, so each of
   LMDB's multi-megabyte page buffers is mapped anew and faulted in page by page;
 * ``after from_generator, thresholds raised``: the same, then ``mallopt`` raises both
