@@ -126,19 +126,16 @@ def _build_child(mode: str, tmp: Path, records: int, builds: int) -> dict[str, A
     import tensorflow as tf
 
     import yogastore
-    from benchmarks._common import steady
+    from benchmarks._common import Case
+    from benchmarks._varlen import make_records, memory_source
     from storage_backends.lmdb_backend import LmdbBackend
 
-    rng = np.random.default_rng(1)
-    lengths = rng.integers(2 << 10, (24 << 10) + 1, records)
-    blob = rng.bytes(int(lengths.sum()))
-    ends = np.cumsum(lengths)
-    xs = tf.constant([blob[e - n : e] for e, n in zip(ends, lengths, strict=True)], tf.string)
-    labels = np.arange(records, dtype=np.int64)
-    del blob
+    # The images case's records and (g2) source of read_throughput (one dataset, made once).
+    case = Case(name="images", records=records, shape=(), kind="images")
+    made = memory_source(make_records(case))
 
-    def source() -> tf.data.Dataset:  # as read_throughput's g2 row: the autotuner off
-        return steady(tf.data.Dataset.from_tensor_slices({"x": xs, "y": labels}))
+    def source() -> tf.data.Dataset:
+        return made
 
     if mode == "tf":
         _apply_mode("tf")
@@ -174,7 +171,6 @@ def _build_child(mode: str, tmp: Path, records: int, builds: int) -> dict[str, A
         if ref.num_records != records:
             raise SystemExit(f"build {i} cached {ref.num_records} records of {records}")
         out["builds"].append({"seconds": wall, "in_puts": in_puts[0], "calling_cpu": cpu})
-        out["bytes"] = int(ref.manifest.nbytes)
         store.delete(f"build-{i}", "1")
     return out
 
