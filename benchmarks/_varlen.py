@@ -13,6 +13,7 @@ Rows of one case, side by side on the same records:
      as (b) hands them over (no read: the ceiling of that hand-over);
 (z)  one batch prepared as tensors and repeated, consumed by the same Python loop (no read,
      no hand-over: the floor the loop itself sets for (a), (e3), (b) and (b0));
+(b0'), (z') the same two consumed in the graph, as (a'), (e3') and (b');
 (c)  ``Stream.batches(256, strings=StringFormat.BUFFERS)`` (bytes + offsets);
 (c2) ``Stream.batches(256)`` (numpy object arrays of ``bytes``);
 (c3) ``Stream.batches(256, strings=StringFormat.RANGES)`` (the stored bytes in place, no copy);
@@ -400,8 +401,8 @@ def stream_tf_objects_row(ctx: VarContext) -> dict[str, Any]:
     )[0]
 
 
-def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
-    """(b0) (b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
+def generator_ceiling_row(ctx: VarContext) -> list[dict[str, Any]]:
+    """(b0) and (b0') (b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
 
     No reading, no checks, the same hand-over as (b): ``k`` batches per Python call (about
     8 MiB), strings as one aligned byte buffer (wrapped by TensorFlow, not copied) plus
@@ -409,12 +410,12 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
     ``[k, batch]`` arrays of ``bytes`` when the kernel is not built),
     ragged tokens as values and row splits of ``k * batch`` rows, regrouped in the graph,
     split by ``unbatch``. What any reader that hands Python-held bytes to tf.data this way
-    pays, so (b0)/(a) bounds (b)/(a).
+    pays, so (b0)/(a) bounds (b)/(a), and (b0'), consumed in the graph, bounds (b').
     """
     import tensorflow as tf
 
     from yogastore.train import tf_ops
-    from yogastore.train.tf_read import _GROUP_BYTES, _MAX_GROUP
+    from yogastore.train.tf_read import _GROUP_BYTES, _MAX_GROUP, _finish
 
     case = ctx.case
     text = case.kind == "text"
@@ -468,15 +469,22 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
             out["tokens"] = tf.RaggedTensor.from_uniform_row_length(flat, rows, validate=False)
         return out
 
+    group_bytes = round(per_record * size * k)
+
     def make(passes: int) -> Any:
         def generate() -> Iterator[tuple[Any, ...]]:
             for _ in range(passes):
                 yield from groups
 
+        # As to_tf_dataset: the kernel's map in parallel, whole groups read ahead (autotuner
+        # off), the groups cut into batches as they are taken.
         ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
-        calls = tf.data.AUTOTUNE if kernel is not None else None
-        ds = ds.map(regroup, num_parallel_calls=calls, deterministic=True)
-        return ds.unbatch().prefetch(tf.data.AUTOTUNE)
+        if kernel is not None:
+            ds = ds.map(regroup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = _finish(ds, group_bytes)
+        if kernel is None:
+            ds = ds.map(regroup)
+        return ds.unbatch()
 
     return _timed_tf_rows(
         ctx,
@@ -485,8 +493,9 @@ def generator_ceiling_row(ctx: VarContext) -> dict[str, Any]:
         make,
         order,
         lambda p: np.tile(order, p),
+        in_graph=True,
         note="ceiling of the from_generator hand-over (no read, no check)",
-    )[0]
+    )
 
 
 def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:
@@ -590,15 +599,18 @@ def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
     )
 
 
-def loop_floor_row(ctx: VarContext) -> dict[str, Any]:
-    """(z) the Python loop alone: one batch prepared as tensors, repeated by tf.data.
+def loop_floor_row(ctx: VarContext) -> list[dict[str, Any]]:
+    """(z) and (z'): one batch prepared as tensors, repeated by tf.data, and only consumed.
 
     A pass is the rank's number of records, as one batch of (b)'s first records
     (``Dataset.from_tensors``, the same structure as (b)'s batches: strings, labels and, for
     text, ragged token ids) repeated, and consumed by the same Python loop as (a), (e3) and
     (b). Nothing is read, parsed or handed over: what remains is what the loop pays per
     batch (the eager call, and for text decoding the ragged token ids from their variant
-    form), so (z)/(a) bounds what any reader consumed this way can reach over (a).
+    form), so (z)/(a) bounds what any reader consumed this way can reach over (a). (z')
+    consumes the same batches in the graph (``Dataset.reduce``), as (a'), (e3') and (b'):
+    what that consumer pays per batch (a call of the reduce function), the same bound for
+    them.
     """
     import tensorflow as tf
 
@@ -633,12 +645,13 @@ def loop_floor_row(ctx: VarContext) -> dict[str, Any]:
     return _timed_tf_rows(
         ctx,
         "z",
-        "the Python loop alone: one prepared batch, repeated (from_tensors)",
+        "nothing read: one prepared batch, repeated (from_tensors)",
         make,
         per_pass,
         lambda p: np.tile(per_pass, p),
-        note="floor of any reader consumed by a Python loop (no read, no hand-over)",
-    )[0]
+        in_graph=True,
+        note="floor of any reader consumed the same way (no read, no hand-over)",
+    )
 
 
 # Build --------------------------------------------------------------------------------------

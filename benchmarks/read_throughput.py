@@ -70,6 +70,14 @@ VAR_TARGETS = (
     ("(g2) build / (iteration + write)", "g2", None, "<=", 1.5),
 )
 VAR_KINDS = ("images", "text", "jpeg")
+# Ratios printed beside the targets, with none of their own: how far the same consumer gets
+# with nothing to read ((z), (z')) and with the hand-over alone ((b0), (b0')).
+VAR_BOUNDS = (
+    ("(z) / (a), the Python loop alone", "z", "a"),
+    ("(z') / (a'), the graph's consumer alone", "z'", "a'"),
+    ("(b0) / (e3), the hand-over alone", "b0", "e3"),
+    ("(b0') / (e3'), the hand-over alone", "b0'", "e3'"),
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -248,8 +256,8 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
         ("a", "TFRecord", lambda: _varlen.tfrecord_rows(ctx)),
         ("b", "stream -> tf.data", lambda: _varlen.stream_tf_rows(ctx)),
         ("b1", "stream -> tf.data, no kernel", lambda: [_varlen.stream_tf_objects_row(ctx)]),
-        ("b0", "from_generator ceiling", lambda: [_varlen.generator_ceiling_row(ctx)]),
-        ("z", "Python loop floor", lambda: [_varlen.loop_floor_row(ctx)]),
+        ("b0", "from_generator ceiling", lambda: _varlen.generator_ceiling_row(ctx)),
+        ("z", "loop floor", lambda: _varlen.loop_floor_row(ctx)),
         ("c", "stream.batches", lambda: _varlen.stream_numpy_rows(ctx)),
         ("d", "memory gather", lambda: [_varlen.memory_gather_row(ctx)]),
         ("p", "Grain + ArrayRecord", lambda: [_peers.grain_row(ctx)]),
@@ -287,7 +295,20 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
         "first_build_seconds": first_build,
         "rows": rows,
         "targets": evaluate_targets(rows, targets),
+        "bounds": evaluate_bounds(rows, VAR_BOUNDS),
     }
+
+
+def evaluate_bounds(
+    rows: list[dict[str, Any]], bounds: tuple[tuple[str, str, str], ...]
+) -> list[dict[str, Any]]:
+    """Return the ratios ``bounds`` names (``None`` where a row has no rate)."""
+    rate = {r["key"]: r.get("rate") for r in rows}
+    out = []
+    for label, num, den in bounds:
+        a, b = rate.get(num), rate.get(den)
+        out.append({"bound": label, "value": a / b if a and b else None})
+    return out
 
 
 def _run_step(key: str, label: str, case: Case, fn: Any) -> list[dict[str, Any]]:
@@ -416,6 +437,11 @@ def format_case(result: dict[str, Any]) -> str:
         lines.append(
             f"    {t['target']:<40} = {value:>8}   target {t['op']} {t['goal']:g}: {verdict}{extra}"
         )
+    if result.get("bounds"):
+        lines.append("bounds (no target):")
+        for b in result["bounds"]:
+            value = "n/a" if b["value"] is None else f"{b['value']:.2f}"
+            lines.append(f"    {b['bound']:<40} = {value:>8}")
     return "\n".join(lines)
 
 

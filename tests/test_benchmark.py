@@ -56,7 +56,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
 
 
 FIXED_KEYS = ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2", "g3"]
-VAR_KEYS = ["a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "z", "c", "c2", "c3", "d", "p"]
+VAR_KEYS = ["a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "b0'", "z", "z'"]
+VAR_KEYS += ["c", "c2", "c3", "d", "p"]
 FIXED_TARGETS = [
     "(b) tf.data / (a) TFRecordDataset",
     "(c) batches / (d) numpy gather",
@@ -93,12 +94,24 @@ def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
         keys, targets = expected[case["case"]["name"]]
         assert [r["key"] for r in case["rows"]] == keys
         assert [t["target"] for t in case["targets"]] == targets
+        if case["case"]["kind"] != "fixed":
+            # The bounds are ratios of the case's own rows, printed under its targets.
+            rate = {r["key"]: r["rate"] for r in case["rows"]}
+            got = {b["bound"]: b["value"] for b in case["bounds"]}
+            assert got == {
+                "(z) / (a), the Python loop alone": rate["z"] / rate["a"],
+                "(z') / (a'), the graph's consumer alone": rate["z'"] / rate["a'"],
+                "(b0) / (e3), the hand-over alone": rate["b0"] / rate["e3"],
+                "(b0') / (e3'), the hand-over alone": rate["b0'"] / rate["e3'"],
+            }
     assert stdout.count("targets:") == 6
+    assert stdout.count("bounds (no target):") == 3
     assert "skipped (--no-yogadl)" in stdout
     assert doc["machine"]["nproc"] >= 1
 
 
-VAR_TIMED = ("a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "z", "c", "c2", "c3", "d", "p")
+VAR_TIMED = ("a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "b0'", "z", "z'", "c", "c2", "c3", "d")
+VAR_TIMED += ("p",)
 VAR_TIMED += ("k1", "k2")
 
 
