@@ -402,7 +402,25 @@ def stream_tf_objects_row(ctx: VarContext) -> dict[str, Any]:
 
 
 def generator_ceiling_row(ctx: VarContext) -> list[dict[str, Any]]:
-    """(b0) and (b0') (b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
+    """(b0) and (b0'): the datasets of ``ceiling_dataset``, timed as (b) and (b')."""
+    make, order, k = ceiling_dataset(ctx)
+    return _timed_tf_rows(
+        ctx,
+        "b0",
+        f"(b)'s batches prepared in memory, handed over as (b) does ({k} per call)",
+        make,
+        order,
+        lambda p: np.tile(order, p),
+        in_graph=True,
+        note="ceiling of the from_generator hand-over (no read, no check)",
+    )
+
+
+def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, int]:
+    """(b)'s batches gathered beforehand, handed to tf.data by ``from_generator``.
+
+    Returns the dataset of ``passes`` passes (a function of them), the records of one pass
+    and the batches per Python call.
 
     No reading, no checks, the same hand-over as (b): ``k`` batches per Python call (about
     8 MiB), strings as one aligned byte buffer (wrapped by TensorFlow, not copied) plus
@@ -486,16 +504,7 @@ def generator_ceiling_row(ctx: VarContext) -> list[dict[str, Any]]:
             ds = ds.map(regroup)
         return ds.unbatch()
 
-    return _timed_tf_rows(
-        ctx,
-        "b0",
-        f"(b)'s batches prepared in memory, handed over as (b) does ({k} per call)",
-        make,
-        order,
-        lambda p: np.tile(order, p),
-        in_graph=True,
-        note="ceiling of the from_generator hand-over (no read, no check)",
-    )
+    return make, order, k
 
 
 def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:

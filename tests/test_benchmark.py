@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from benchmarks import _yogadl
@@ -330,6 +331,45 @@ def test_build_parts_times_puts_strings_and_builds_in_processes_of_their_own(
     assert list(tmp_path.iterdir()) == []  # every store and file is deleted
     with pytest.raises(SystemExit):
         build_parts.main(["--part", "strings", "--sizes", "0"])
+
+
+def _pipeline(ds: Any) -> list[str]:
+    """The kinds of the datasets ``ds`` is made of, outermost first."""
+    out = []
+    while ds is not None:
+        out.append(type(ds).__name__)
+        ds = getattr(ds, "_input_dataset", None)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["text", "images"])
+def test_ceiling_hands_over_as_the_stream_does(tmp_path: Path, kind: str) -> None:
+    """(b0) is (b)'s pipeline with the read left out: same stages, spec and records."""
+    import yogastore
+    from benchmarks import _varlen
+    from benchmarks._common import Case, stream_indices
+
+    case = Case(name=kind, records=3000, shape=(), kind=kind, mean_bytes=300, batch_size=64)
+    recs = _varlen.make_records(case)
+    store = yogastore.Store(str(tmp_path / "store"))
+    ref = store.cache(_varlen.DATASET, "1", lambda: _varlen.memory_source(recs))
+    ctx = _varlen.VarContext(case, tmp_path, recs, tmp_path / "none", store, ref)
+    make, order, k = _varlen.ceiling_dataset(ctx)
+    stream = ref.stream(
+        shard_rank=case.shard_rank, num_shards=case.num_shards, shuffle=True, seed=case.seed
+    )
+    ours, theirs = make(1), stream.to_tf_dataset(case.batch_size)
+    assert k > 1  # several batches per call, as (b) hands them over
+    assert _pipeline(ours) == _pipeline(theirs)
+    assert ours.element_spec == theirs.element_spec
+    got = [(b["y"].numpy(), b["x"].numpy()) for b in ours]
+    want = [(b["y"].numpy(), b["x"].numpy()) for b in theirs]
+    assert [len(y) for y, _ in got] == [len(y) for y, _ in want]
+    assert np.array_equal(np.concatenate([y for y, _ in got]), order)
+    assert np.array_equal(order, stream_indices(ref, case, 1))
+    for (y1, x1), (y2, x2) in zip(got, want, strict=True):
+        assert np.array_equal(y1, y2) and list(x1) == list(x2)
 
 
 @pytest.mark.slow
