@@ -132,7 +132,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _check_sizes(args: argparse.Namespace) -> None:
+    """Refuse sizes no case can be measured at, naming the option."""
+    for option, least in (
+        ("batch_size", 1),
+        ("num_shards", 1),
+        ("shard_rank", 0),
+        ("repeats", 1),
+        ("read_mib", 1),
+        ("max_records_per_run", 1),
+    ):
+        if getattr(args, option) < least:
+            flag = "--" + option.replace("_", "-")
+            raise SystemExit(f"{flag} {getattr(args, option)}: must be at least {least}")
+    if args.shard_rank >= args.num_shards:
+        raise SystemExit(
+            f"--shard-rank {args.shard_rank}: must be below --num-shards {args.num_shards}"
+        )
+    if not args.max_seconds_per_run > 0:
+        raise SystemExit(f"--max-seconds-per-run {args.max_seconds_per_run}: must be above 0")
+
+
 def build_cases(args: argparse.Namespace) -> list[Case]:
+    _check_sizes(args)
     common = {
         "batch_size": args.batch_size,
         "num_shards": args.num_shards,
@@ -158,14 +180,19 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
         if name in var:
             records, mean = var[name]
-            cases.append(
-                Case(name=name, records=records, shape=(), kind=name, mean_bytes=mean, **common)
-            )
-            continue
-        if name not in shapes:
+            case = Case(name=name, records=records, shape=(), kind=name, mean_bytes=mean, **common)
+        elif name in shapes:
+            records, shape = shapes[name]
+            case = Case(name=name, records=records, shape=shape, **common)
+        else:
             raise SystemExit(f"unknown case {name!r}; choose from {', '.join([*shapes, *var])}")
-        records, shape = shapes[name]
-        cases.append(Case(name=name, records=records, shape=shape, **common))
+        if records < 0 or case.rank_span() < 1:
+            flag = "--records" if name == "main" else f"--{name}-records"
+            raise SystemExit(
+                f"{flag} {records}: rank {args.shard_rank} of {args.num_shards} would read no "
+                f"record of case {name}; give at least {args.num_shards}"
+            )
+        cases.append(case)
     return cases
 
 

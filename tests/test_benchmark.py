@@ -413,3 +413,35 @@ def test_build_pairs_survive_leftovers_of_an_interrupted_run(tmp_path: Path) -> 
     assert built == [f"build-{k}-{i}" for k in ("g", "g2") for i in range(BUILD_PAIRS)]
     assert [v.dataset_id for v in store.list()] == [_varlen.DATASET]
     assert not list(tmp_path.glob("write-*"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cases", "text", "--text-records", "3"], "--text-records 3: rank 0 of 4 would read"),
+        (["--cases", "main", "--records", "-5"], "--records -5: rank 0 of 4"),
+        (["--cases", "images", "--shard-rank", "4"], "--shard-rank 4: must be below"),
+        (["--cases", "jpeg", "--num-shards", "0"], "--num-shards 0: must be at least 1"),
+        (["--cases", "small", "--batch-size", "0"], "--batch-size 0: must be at least 1"),
+        (["--cases", "main", "--max-seconds-per-run", "nan"], "--max-seconds-per-run nan"),
+        (["--cases", "mian"], "unknown case 'mian'"),
+    ],
+)
+def test_read_throughput_refuses_sizes_it_cannot_measure(argv: list[str], message: str) -> None:
+    """Refused before any work, naming the option (a rank with no records measured nothing)."""
+    from benchmarks import read_throughput
+
+    with pytest.raises(SystemExit) as err:
+        read_throughput.build_cases(read_throughput.parse_args(argv))
+    assert message in str(err.value)
+
+
+def test_read_throughput_takes_the_smallest_measurable_sizes() -> None:
+    from benchmarks import read_throughput
+
+    args = read_throughput.parse_args(["--cases", "text,main", "--text-records", "4"])
+    cases = read_throughput.build_cases(args)
+    assert [(c.name, c.records, c.rank_span()) for c in cases] == [
+        ("text", 4, 1),
+        ("main", 262144, 65536),
+    ]
