@@ -125,3 +125,42 @@ def test_records_one_by_one_from_groups_over_the_prefetch_budget_are_read_ahead_
     time.sleep(1.0)  # time for tf.data to read ahead as far as it will
     assert len(produced) == 1 and produced[0] < 40 * N, produced  # only the group being cut
     assert set(ys) <= set(range(N)) and len(ys) == 300
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_strings_are_handed_to_tf_data_in_groups_growing_from_one_batch(
+    tmp_path: Path, drop_remainder: bool
+) -> None:
+    """The first batch waits for one batch's read; later groups double up to the full group."""
+    import tensorflow as tf
+
+    from yogastore.train import tf_read
+
+    rows, batch = 20_011, 16
+    texts = [b"t%d" % i * (i % 7) for i in range(rows)]
+    ds = tf.data.Dataset.from_tensor_slices({"s": texts, "y": np.arange(rows, dtype=np.int64)})
+    ref = yogastore.Store(tmp_path / "s").cache("texts", "1", lambda: ds)
+    stream = ref.stream(0, 2, shuffle=True, seed=9)
+    handed: list[int] = []
+    gathered = stream._gathered
+
+    def counted(indices: Iterator[np.ndarray], in_place: bool = False) -> Iterator[object]:
+        for records, cols in gathered(indices, in_place):
+            handed.append(len(records))
+            yield records, cols
+
+    stream._gathered = counted  # type: ignore[method-assign]
+    got = list(stream.to_tf_dataset(batch, drop_remainder))
+    order = np.concatenate(list(ref.stream(0, 2, shuffle=True, seed=9).record_indices(1)))
+    k = tf_read._MAX_GROUP
+    full = len(order) // batch
+    assert full > 2 * k, "the case must reach full groups"
+    doubling = [batch << i for i in range(k.bit_length() - 1)]  # 1, 2, 4, ... k / 2 batches
+    assert handed[: len(doubling)] == doubling
+    assert set(handed[len(doubling) : -1]) == {batch * k}
+    assert sum(handed) == len(order)
+    ys = np.concatenate([b["y"].numpy() for b in got])
+    kept = full * batch if drop_remainder else len(order)
+    np.testing.assert_array_equal(ys, order[:kept])
+    assert [len(b["y"]) for b in got[:-1]] == [batch] * (len(got) - 1)
+    assert [v for b in got for v in b["s"].numpy().tolist()] == [texts[i] for i in ys]
