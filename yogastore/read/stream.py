@@ -307,6 +307,21 @@ class Stream:
             indices = (r for r in indices if len(r) == batch_size)
         return self._gathered(indices, in_place)
 
+    def _batch_groups(
+        self, batch_size: int, k: int, in_place: bool, drop_remainder: bool = False
+    ) -> Iterator[Any]:
+        """Yield ``(records, column batches)`` of 1, 2, 4, ... ``k`` batches (``k > 1``).
+
+        With ``k == 1``, batch by batch through ``column_batches`` (strings in place
+        through this class's own). ``k > 1`` only where ``column_batches`` is this
+        class's own; ``drop_remainder`` then is the caller's to apply.
+        """
+        if k > 1:
+            return self._gathered(self._ramped_indices(batch_size, k), in_place)
+        if in_place:
+            return self._column_batches(batch_size, drop_remainder, True)
+        return self.column_batches(batch_size, drop_remainder)
+
     def _ramped_indices(self, batch_size: int, k: int) -> Iterator[IntArray]:
         """This rank's records in groups of 1, 2, 4, ... up to ``k`` batches.
 
@@ -414,19 +429,15 @@ class Stream:
         # consumer that does not keep batches gets the same (cache-warm)
         # pooled buffer back every time.
         in_place = strings is StringFormat.RANGES and self.strings_in_place()
+        groups = self._batch_groups(batch_size, k, in_place, drop_remainder)
         if k == 1:
-            batches = (
-                self._column_batches(batch_size, drop_remainder, True)
-                if in_place
-                else self.column_batches(batch_size, drop_remainder)
-            )
-            for _records, cols in batches:
+            for _records, cols in groups:
                 batch = schema.pack(batch_components(schema, cols, where, strings))
                 del cols
                 yield batch
                 del batch
             return
-        for _records, cols in self._gathered(self._ramped_indices(batch_size, k), in_place):
+        for _records, cols in groups:
             arrays = batch_components(schema, cols, where, strings)
             del cols
             n = batch_length(schema, arrays)

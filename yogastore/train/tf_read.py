@@ -284,16 +284,9 @@ def _grouped_dataset(
         return tuple(out)
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        # In place only through Stream's own column_batches; a subclass's comes first.
         # Groups of 1, 2, 4, ... k batches: the first batch waits for one batch's read, not
-        # a whole group's (only through Stream's own column_batches, where k > 1).
-        if k > 1:
-            batches = stream._gathered(stream._ramped_indices(size, k), in_place)
-        elif in_place:
-            batches = stream._column_batches(size, False, True)
-        else:
-            batches = stream.column_batches(size)
-        for _records, cols in batches:
+        # a whole group's (k > 1 only through Stream's own column_batches).
+        for _records, cols in stream._batch_groups(size, k, in_place):
             arrays = batch_components(schema, cols, where, strings)
             del cols
             file = no_file
