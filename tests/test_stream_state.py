@@ -118,3 +118,36 @@ def test_locate_matches_walking_the_epochs(num_records: int, num_epochs: int | N
                 for consumed in range(30):
                     for at_end in (False, True):
                         assert a.locate(consumed, at_end=at_end) == _walk(a, consumed, at_end)
+
+
+def test_state_refuses_more_records_than_the_stream_yields(ref: yogastore.DatasetRef) -> None:
+    # 37 records on 2 ranks: spans of 18 and 19. Batches of 7 take 3 steps on both ranks, so
+    # steps * batch_size (21) counts records that neither rank read; taken as consumed, they
+    # would mark 3 records of each span of the next epoch as read.
+    streams = [ref.stream(r, 2, shuffle=True, seed=0) for r in range(2)]
+    assert [len(s) for s in streams] == [18, 19]
+    assert [sum(1 for _ in s.batches(7)) for s in streams] == [3, 3]
+    for s in streams:
+        with pytest.raises(
+            yogastore.InvalidArgumentError, match=rf"consumed=21 is more than the {len(s)} records"
+        ):
+            s.state(consumed=21)
+    # What the ranks did read: rank 1, which read the most, gives the next epoch whole.
+    end = streams[1].state(consumed=19)
+    assert (end.epoch, end.remaining) == (1, ((0, 37),))
+    assert sorted(_ids(ref.resume(end, 0, 1))) == list(range(37))
+    # Mid-epoch, every rank the same count: the rest of the epoch, exactly once.
+    mid = streams[0].state(consumed=7)
+    read = [i for s in streams for i in _ids(s)[:7]]
+    rest = [i for r in range(3) for i in _ids(ref.resume(mid, r, 3))]
+    assert sorted(read + rest) == list(range(37))
+    # The bound is the stream's length: several epochs, a resumed stream; none when endless.
+    three = ref.stream(1, 2, shuffle=True, seed=0, num_epochs=3)
+    assert three.state(consumed=len(three)).epoch == 3
+    with pytest.raises(yogastore.InvalidArgumentError, match="more than the"):
+        three.state(consumed=len(three) + 1)
+    resumed = ref.resume(mid, 0, 3)
+    with pytest.raises(yogastore.InvalidArgumentError, match=rf"more than the {len(resumed)} "):
+        resumed.state(consumed=len(resumed) + 1)
+    endless = ref.stream(0, 2, shuffle=True, seed=0, num_epochs=None)
+    assert endless.state(consumed=21).epoch == 1

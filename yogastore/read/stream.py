@@ -513,10 +513,25 @@ class Stream:
         time whatever ``consumed``.
 
         Raises:
-            InvalidArgumentError: ``consumed`` is negative, or so large that
-                the epoch it reaches is beyond what a state can hold (2**64).
+            InvalidArgumentError: ``consumed`` is negative, more than the
+                records a stream of ``num_epochs`` epochs yields (``len``), or so
+                large that the epoch it reaches is beyond what a state can hold
+                (2**64).
         """
         consumed = check_int("consumed", consumed, 0)
+        length = self.static.length() if self.static is not None else None
+        if length is not None and consumed > length:
+            # Counted on, the surplus would mark records of a later epoch consumed.
+            raise InvalidArgumentError(
+                f"consumed={consumed} is more than the {length} records this stream yields "
+                f"(rank {self.shard_rank} of {self.num_shards} of {self.ref.manifest.where}, "
+                f"{self.num_epochs} epoch(s)); pass the records this rank consumed: steps * "
+                "batch_size counts a short last batch as full"
+            )
+        return self._state(consumed)
+
+    def _state(self, consumed: int) -> StreamState:
+        """``state`` without the length check (``StreamPosition`` counts padded steps)."""
         if self.static is None:
             raise TypeError(
                 f"{type(self.assignment).__name__} streams keep their position in their own state"
