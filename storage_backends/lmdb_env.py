@@ -111,8 +111,9 @@ def disk_full_error(path: str, needed: int, cause: object) -> StorageError:
     have = f"{free:,} bytes free" if free >= 0 else "free space unknown"
     return StorageError(
         errno.ENOSPC,
-        f"disk full writing {path}: {have}, at least {needed:,} more bytes needed ({cause}); "
-        "free space (for example `yogastore gc`, or delete unused versions) and retry",
+        f"disk full writing {path}: {have}, {needed:,} bytes needed by the write that failed "
+        f"({cause}); free space (for example `yogastore gc`, or delete unused versions) and "
+        "retry",
     )
 
 
