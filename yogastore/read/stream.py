@@ -523,7 +523,8 @@ class Stream:
         if length is not None and consumed > length:
             # Counted on, the surplus would mark records of a later epoch consumed.
             raise InvalidArgumentError(
-                f"consumed={consumed} is more than the {length} records this stream yields "
+                f"consumed={consumed} is more than the {length} record"
+                f"{'' if length == 1 else 's'} this stream yields "
                 f"(rank {self.shard_rank} of {self.num_shards} of {self.ref.manifest.where}, "
                 f"{self.num_epochs} epoch(s)); pass the records this rank consumed: steps * "
                 "batch_size counts a short last batch as full"
