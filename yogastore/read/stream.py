@@ -519,7 +519,7 @@ class Stream:
                 (2**64).
         """
         consumed = check_int("consumed", consumed, 0)
-        length = self.static.length() if self.static is not None else None
+        length = self.assignment.length()  # None: endless, or claimed from a work queue
         if length is not None and consumed > length:
             # Counted on, the surplus would mark records of a later epoch consumed.
             raise InvalidArgumentError(
@@ -529,10 +529,6 @@ class Stream:
                 f"{self.num_epochs} epoch(s)); pass the records this rank consumed: steps * "
                 "batch_size counts a short last batch as full"
             )
-        return self._state(consumed)
-
-    def _state(self, consumed: int) -> StreamState:
-        """``state`` without the length check (``StreamPosition`` counts padded steps)."""
         if self.static is None:
             raise TypeError(
                 f"{type(self.assignment).__name__} streams keep their position in their own state"

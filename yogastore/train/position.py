@@ -146,7 +146,7 @@ class Position:
             drop_remainder=self.remainder is Remainder.DROP,
             num_epochs=1,
         )
-        return stream._state(self._steps * per_step)
+        return stream.state(consumed=self._steps * per_step)
 
     def steps_left(self, num_shards: int, batch_size: int, batches_per_step: int = 1) -> int:
         """Return the steps left in the current epoch when read by ``num_shards`` shards.
