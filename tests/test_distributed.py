@@ -352,6 +352,35 @@ def test_elastic_restores_compose(tmp_path: Path) -> None:
     assert position.epoch == 1
 
 
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["0-first", "1-first"])
+def test_shards_of_one_process_skip_an_epoch_rest_with_no_whole_step_alike(
+    tmp_path: Path, order: tuple[int, int]
+) -> None:
+    # Restored with 4 of 10 records left, which make no step of 2 shards x 3: every shard
+    # read in this process skips to the next epoch in the same iteration, as one process per
+    # shard would; none reads the next epoch early, so none reads it twice.
+    ref = make_ref(tmp_path, 10)
+    first = StreamPosition(ref, seed=SEED)
+    for _ in first.dataset(0, 1, 3):
+        pass
+    first.advance(2)
+    position = StreamPosition(ref, seed=SEED)
+    position.deserialize(first.serialize())
+    assert [ids_of(position.dataset(r, 2, 3)) for r in order] == [[], []]
+    assert position.epoch == 1
+    datasets = [position.dataset(r, 2, 3) for r in range(2)]
+    for _ in range(2):  # a skip is one iteration's: the next ones read epoch 1 alike
+        got = [np.concatenate(ids_of(datasets[r])) for r in order]
+        for r, ids in zip(order, got, strict=True):
+            np.testing.assert_array_equal(ids, expected_span(ref, r, 2, 1, 3))
+    position.advance(1)
+    assert position.epoch == 2
+    # After the skip an advance ends it: shard 1 alone now begins epoch 2, not the empty rest.
+    np.testing.assert_array_equal(
+        np.concatenate(ids_of(position.dataset(1, 2, 3))), expected_span(ref, 1, 2, 2, 3)
+    )
+
+
 def test_restore_rejects_a_position_of_another_dataset(tmp_path: Path) -> None:
     ref = make_ref(tmp_path / "a", 30)
     other = make_ref(tmp_path / "b", 31)

@@ -70,6 +70,9 @@ class Position:
         self._segment_steps = 0
         self._steps = 0
         self._global_step = 0
+        # An epoch rest with no whole step, skipped by one shard's iteration: the layout, the
+        # skipped start, and the shards of this process still to begin that same iteration.
+        self._skipped: tuple[tuple[int, int], StreamState, set[int]] | None = None
         self.allgather = allgather
         self._checked: set[tuple[Any, ...]] = set()
         self.steps_per_epoch: int | None = None  # of the last dataset made with an EpochSize
@@ -180,6 +183,8 @@ class Position:
                     "advance() before any dataset of this position was iterated; iterate "
                     "position.dataset(...) (or a dataset_fn dataset) first"
                 )
+            if steps:
+                self._skipped = None
             self._steps += steps
             self._global_step += steps
             while self._steps >= self._segment_steps:
@@ -200,14 +205,25 @@ class Position:
                 self._start.remaining_records, num_shards, per_step, self.remainder
             )
 
-    def _begin(self, num_shards: int, per_step: int) -> tuple[StreamState, int]:
-        """Start an iteration: return the epoch's remaining positions and its step count."""
+    def _begin(self, shard_rank: int, num_shards: int, per_step: int) -> tuple[StreamState, int]:
+        """Start shard ``shard_rank``'s iteration: return the epoch's rest and its step count.
+
+        A rest that makes no whole step gives 0 steps and moves the position on to the next
+        epoch; every other shard of this process that begins the same iteration (before the
+        next ``advance``) gets the same empty rest, as it would in a process of its own.
+        """
+        layout = (num_shards, per_step)
         with self._lock:
+            skipped = self._skipped
+            if skipped is not None and skipped[0] == layout and shard_rank in skipped[2]:
+                skipped[2].discard(shard_rank)
+                return skipped[1], 0
+            self._skipped = None
             if self._steps:
                 # A new iteration continues where the previous one stopped.
                 self._start = self._state_locked()
                 self._steps = 0
-            self._layout = (num_shards, per_step)
+            self._layout = layout
             self._segment_steps = steps_for(
                 self._start.remaining_records, num_shards, per_step, self.remainder
             )
@@ -221,6 +237,7 @@ class Position:
                     self._start.remaining_records,
                 )
                 start = self._start
+                self._skipped = (layout, start, set(range(num_shards)) - {shard_rank})
                 self._next_epoch_locked()
                 return start, 0
             return self._start, self._segment_steps
@@ -291,6 +308,7 @@ class Position:
             self._global_step = global_step
             self._layout = None
             self._segment_steps = 0
+            self._skipped = None
 
     def check_ranks(
         self,
@@ -368,7 +386,7 @@ class EpochRest(Stream):
     def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
         position = self.position
         per_step = batch_size * self.batches_per_step
-        start, steps = position._begin(self.num_shards, per_step)
+        start, steps = position._begin(self.shard_rank, self.num_shards, per_step)
         if self.epoch_steps is None:
             yield from self._segment(start, steps * self.batches_per_step, batch_size)
             return
