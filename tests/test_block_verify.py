@@ -135,10 +135,13 @@ def read_rank(ref: yogastore.DatasetRef, rank: int, num_shards: int) -> int:
     return done
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_flip_in_a_block_the_rank_reads_raises_naming_chunk_and_block(
-    tmp_path: Path, layout: str
+    tmp_path: Path, layout: str, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if not compiled:  # the path without the extension: lookups and hashes in numpy / xxhash
+        monkeypatch.setattr("yogastore.read.verified._gather", None)
     ref = build(tmp_path)
     chunks = Chunks(ref)
     mine = rank_records(ref, 3, 8)
@@ -404,6 +407,39 @@ def test_compiled_block_lookup_matches_its_definition(seed: int) -> None:
         bad[0] = num_chunks
         got = blocks_verified(bad, starts, ends + 1, base, size, slot, bits)
         assert got is False
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_compiled_block_hash_equals_xxhash(seed: int) -> None:
+    import xxhash
+
+    from yogastore._gather import hash_blocks
+
+    rng = np.random.default_rng(seed)
+    views = [memoryview(rng.bytes(int(rng.integers(0, 20000)))) for _ in range(4)]
+    views.append(memoryview(bytearray(rng.bytes(300))))  # writable buffers are fine too
+    n = int(rng.integers(0, 40))
+    which = rng.integers(0, len(views), size=n).astype(np.int64)
+    sizes = np.array([len(views[k]) for k in which], dtype=np.int64)
+    starts = (rng.random(n) * (sizes + 1)).astype(np.int64)
+    ends = starts + (rng.random(n) * (sizes - starts + 1)).astype(np.int64)
+    out = np.empty(n, dtype=np.uint64)
+    hash_blocks(out, views, which, starts, ends)
+    expected = [
+        xxhash.xxh3_64_intdigest(views[k][a:b])
+        for k, a, b in zip(which.tolist(), starts.tolist(), ends.tolist(), strict=True)
+    ]
+    assert out.tolist() == expected
+    if n:  # a range outside its view, or a view not given, is refused before any hash
+        for field, value in (("ends", sizes[0] + 1), ("starts", -1), ("which", len(views))):
+            bad = {"which": which.copy(), "starts": starts.copy(), "ends": ends.copy()}
+            bad[field][0] = value
+            if field == "starts":
+                bad["ends"][0] = max(0, int(bad["ends"][0]))
+            with pytest.raises(IndexError, match="block 0: bytes"):
+                hash_blocks(out, views, bad["which"], bad["starts"], bad["ends"])
+        with pytest.raises(ValueError, match="one count each"):
+            hash_blocks(out[:-1], views, which, starts, ends)
 
 
 def test_records_checked_once_skip_their_checks_records_never_read_do_not(

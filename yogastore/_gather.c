@@ -21,6 +21,13 @@
  * Any index out of range answers False (the numpy path then decides, and
  * raises); yogastore.read.verified.verify_blocks is its definition.
  *
+ * hash_blocks(out, views, which, starts, ends) writes, for every i, the XXH3-64
+ * digest of views[which[i]][starts[i]:ends[i]] to out[i] (uint64): the checksum
+ * blocks a batch reads, hashed in one call. Every range is checked against its
+ * view before any is hashed; the hashing runs without the GIL. The digest is
+ * xxhash's own (third_party/xxhash, the library python-xxhash wraps), so it equals
+ * xxhash.xxh3_64_intdigest of the same bytes.
+ *
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
  * permutation of yogastore.read.order.FeistelPermutation (same rounds, same words,
  * same cycle walking) on int64 values in [0, n), writing int64 images to out.
@@ -29,6 +36,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
 
 /* gather_rows reads rows in random order (small rows: offsets, labels): the
  * start of the row PREFETCH_AHEAD places on is requested while the current one
@@ -437,6 +447,85 @@ done:
     return result;
 }
 
+static PyObject *hash_blocks(PyObject *module, PyObject *args) {
+    Py_buffer out, which, starts, ends;
+    PyObject *views, *seq = NULL, *result = NULL;
+    Py_buffer *bufs = NULL;
+    Py_ssize_t nviews = 0, held = 0;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "w*Oy*y*y*", &out, &views, &which, &starts, &ends)) {
+        return NULL;
+    }
+    if (which.len % (Py_ssize_t)sizeof(int64_t) != 0 || starts.len != which.len ||
+        ends.len != which.len || out.len != which.len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "out (uint64), which, starts and ends (int64) must hold one count each");
+        goto done;
+    }
+    seq = PySequence_Fast(views, "views must be a sequence of buffers");
+    if (seq == NULL) {
+        goto done;
+    }
+    nviews = PySequence_Fast_GET_SIZE(seq);
+    bufs = PyMem_Calloc((size_t)(nviews ? nviews : 1), sizeof(Py_buffer));
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < nviews; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &bufs[held], PyBUF_SIMPLE) <
+            0) {
+            goto done;
+        }
+    }
+    {
+        const Py_ssize_t n = which.len / (Py_ssize_t)sizeof(int64_t);
+        const int64_t *w = (const int64_t *)which.buf, *s = (const int64_t *)starts.buf;
+        const int64_t *e = (const int64_t *)ends.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (w[i] < 0 || w[i] >= nviews || s[i] < 0 || e[i] < s[i] ||
+                e[i] > (int64_t)bufs[w[i]].len) {
+                PyErr_Format(PyExc_IndexError,
+                             "block %zd: bytes [%lld, %lld) of view %lld lie outside it", i,
+                             (long long)s[i], (long long)e[i], (long long)w[i]);
+                goto done;
+            }
+        }
+        uint64_t *digests = (uint64_t *)out.buf;
+        Py_ssize_t bad = -1;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            /* Checked again on the read that is used: another thread may have
+             * written the index arrays since the check above. */
+            const int64_t k = w[i], lo = s[i], hi = e[i];
+            if (k < 0 || k >= nviews || lo < 0 || hi < lo || hi > (int64_t)bufs[k].len) {
+                bad = i;
+                break;
+            }
+            uint64_t d = XXH3_64bits((const char *)bufs[k].buf + lo, (size_t)(hi - lo));
+            memcpy(digests + i, &d, sizeof d);
+        }
+        Py_END_ALLOW_THREADS
+        if (bad >= 0) {
+            PyErr_Format(PyExc_IndexError, "block %zd changed while it was hashed", bad);
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+    }
+    PyMem_Free(bufs);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&which);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&ends);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", gather_rows, METH_VARARGS,
      "gather_rows(dst, src, starts, row_bytes): copy rows src[starts[i]:+row_bytes] "
@@ -449,6 +538,10 @@ static PyMethodDef methods[] = {
     {"blocks_verified", blocks_verified, METH_VARARGS,
      "blocks_verified(chunks, starts, ends, base, size, slot, bits) -> bool: whether every "
      "checksum block of the byte ranges has its bit set (yogastore.read.verified)."},
+    {"hash_blocks", hash_blocks, METH_VARARGS,
+     "hash_blocks(out, views, which, starts, ends): out[i] = XXH3-64 of "
+     "views[which[i]][starts[i]:ends[i]] (uint64), every range checked first; hashes "
+     "without the GIL."},
     {"feistel", feistel, METH_VARARGS,
      "feistel(out, values, keys, high_bits, low_bits, wide, n): keyed permutation of "
      "int64 values in [0, n) into out (see yogastore.read.order.FeistelPermutation)."},
@@ -458,7 +551,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "yogastore._gather",
     "Compiled loops of the read path: row and range gathers (yogastore.format.memory), "
-    "verified-block lookups (yogastore.read.verified) and the shuffled order (yogastore.read.order.FeistelPermutation).", -1, methods,
+    "verified-block lookups and block hashes (yogastore.read.verified) and the shuffled order (yogastore.read.order.FeistelPermutation).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module_def); }

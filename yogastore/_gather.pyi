@@ -1,3 +1,5 @@
+from collections.abc import Sequence
+
 import numpy as np
 
 _Buf = np.ndarray | bytes | bytearray | memoryview
@@ -9,5 +11,8 @@ def feistel(
 def blocks_verified(
     chunks: _Buf, starts: _Buf, ends: _Buf, base: _Buf, size: _Buf, slot: _Buf, bits: _Buf, /
 ) -> bool: ...
+def hash_blocks(
+    out: _Buf, views: Sequence[_Buf], which: _Buf, starts: _Buf, ends: _Buf, /
+) -> None: ...
 def gather_ranges(dst: _Buf, src: _Buf, starts: _Buf, lengths: _Buf, /) -> int: ...
 def split_bytes(data: _Buf, offsets: _Buf, /) -> list[bytes]: ...

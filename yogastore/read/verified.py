@@ -361,14 +361,20 @@ def _check_blocks(
     """
     if not len(ids):
         return 0
-    digest = xxhash.xxh3_64_intdigest
-    got = np.array(
-        [
-            digest(data[c][lo:hi])
-            for c, lo, hi in zip(owners.tolist(), starts.tolist(), ends.tolist(), strict=True)
-        ],
-        dtype=np.uint64,
-    )
+    if _gather is not None:  # one call for the batch, hashing without the GIL
+        chunks, which = np.unique(owners, return_inverse=True)
+        got = np.empty(len(ids), dtype=np.uint64)
+        views = [data[c] for c in chunks.tolist()]
+        _gather.hash_blocks(got, views, which.astype(np.int64), starts, ends)
+    else:
+        digest = xxhash.xxh3_64_intdigest
+        got = np.array(
+            [
+                digest(data[c][lo:hi])
+                for c, lo, hi in zip(owners.tolist(), starts.tolist(), ends.tolist(), strict=True)
+            ],
+            dtype=np.uint64,
+        )
     bad = np.flatnonzero(got != memo.expected[ids])
     if len(bad):
         at = int(bad[0])
