@@ -186,6 +186,46 @@ def test_advance_needs_an_iterated_dataset(tmp_path: Path) -> None:
         position.advance()
 
 
+def test_advance_carries_steps_into_the_epochs_after_at_once(tmp_path: Path) -> None:
+    ref = make_ref(tmp_path, 10)  # 3 steps of 3 records an epoch, one shard
+    position = StreamPosition(ref, seed=SEED)
+    for _ in position.dataset(0, 1, 3):
+        pass
+    position.advance(4)  # the epoch's 3 steps, then one of epoch 1
+    assert (position.epoch, position.step, position.global_step) == (1, 1, 4)
+    np.testing.assert_array_equal(
+        np.concatenate(ids_of(position.dataset(0, 1, 3))), expected_span(ref, 0, 1, 1, 9)[3:]
+    )
+    position.advance(2 + 3 * 10**15)  # the rest of epoch 1, then 10**15 whole epochs
+    assert (position.epoch, position.step) == (2 + 10**15, 0)
+    before = position.serialize()
+    with pytest.raises(InvalidArgumentError, match=r"beyond the last epoch a position can hold"):
+        position.advance(2**70)
+    assert position.serialize() == before  # a refused advance changes nothing
+
+
+def test_a_whole_epoch_with_no_step_is_refused(tmp_path: Path) -> None:
+    ref = make_ref(tmp_path, 10)
+    position = StreamPosition(ref, seed=SEED)
+    for shards, batch in ((1, 11), (3, 4)):
+        with pytest.raises(InvalidArgumentError, match="a whole epoch of 10 records makes no step"):
+            position.dataset(0, shards, batch)
+    assert len(ids_of(StreamPosition(ref, remainder=Remainder.PAD).dataset(0, 3, 4))) == 1
+
+
+@pytest.mark.parametrize("bad", [None, "toy", 3], ids=str)
+def test_position_and_callback_refuse_what_is_not_theirs(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="ref must be a DatasetRef"):
+        StreamPosition(bad)
+    with pytest.raises(InvalidArgumentError, match="position must be a"):
+        PositionCallback(bad)
+    position = StreamPosition(make_ref(tmp_path, 10))
+    with pytest.raises(InvalidArgumentError, match="manager must be a"):
+        PositionCallback(position, manager="ckpt")
+    with pytest.raises(InvalidArgumentError, match="not an object"):
+        position.deserialize("null" if bad is None else "[]")
+
+
 @pytest.mark.parametrize(
     ("shard", "shards", "batch"), [(2, 2, 4), (-1, 2, 4), (0, 0, 4), (0, 2, 0)], ids=str
 )

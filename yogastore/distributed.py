@@ -50,7 +50,7 @@ from yogastore.train.launchers import (
     worker_rank,
 )
 from yogastore.train.position import EpochRest, Position
-from yogastore.train.steps import EpochSize, Remainder
+from yogastore.train.steps import EpochSize, Remainder, steps_for
 
 if TYPE_CHECKING:
     from yogastore.keras_callback import PositionCallback
@@ -165,8 +165,14 @@ class StreamPosition(Position, tf.train.experimental.PythonState):  # type: igno
         if epoch_size is not None and not isinstance(epoch_size, EpochSize):
             raise InvalidArgumentError(f"epoch_size must be an EpochSize, got {epoch_size!r}")
         steps = None
+        per_step = batch_size * batches_per_step
+        if steps_for(self.ref.num_records, num_shards, per_step, self.remainder) == 0:
+            raise InvalidArgumentError(
+                f"a whole epoch of {self.ref.num_records} records makes no step of {num_shards} "
+                f"shards x {per_step} records (Remainder.DROP leaves every record out); use a "
+                "smaller batch, fewer shards or Remainder.PAD"
+            )
         if epoch_size is not None:
-            per_step = batch_size * batches_per_step
             steps = epoch_size.resolve(self.ref.num_records, num_shards, per_step, self.remainder)
         self.steps_per_epoch = steps
         if self.allgather is not None:

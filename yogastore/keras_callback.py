@@ -62,6 +62,16 @@ class PositionCallback(keras.callbacks.Callback):  # type: ignore[misc]
         save_every: int | None = None,
     ) -> None:
         super().__init__()
+        from yogastore.train.position import Position
+
+        if not isinstance(position, Position):
+            raise InvalidArgumentError(
+                f"position must be a yogastore.distributed.StreamPosition, got {position!r:.100}"
+            )
+        if manager is not None and not isinstance(manager, tf.train.CheckpointManager):
+            raise InvalidArgumentError(
+                f"manager must be a tf.train.CheckpointManager or None, got {manager!r:.100}"
+            )
         self.position = position
         self.manager = manager
         self.save_every = None if save_every is None else check_int("save_every", save_every, 1)

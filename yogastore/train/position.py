@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -23,14 +23,11 @@ from storage_backends.errors import InvalidArgumentError
 from yogastore import boundedjson
 from yogastore.arrays import IntArray
 from yogastore.checks import check_int
-from yogastore.read.order import Shuffle
+from yogastore.read.order import KEY_LIMIT, Shuffle
 from yogastore.read.stream import Stream, StreamState
-from yogastore.store import DEFAULT_BLOCK_WINDOW
+from yogastore.store import DEFAULT_BLOCK_WINDOW, DatasetRef
 from yogastore.train.agreement import AllGather, check_agreement
 from yogastore.train.steps import Remainder, steps_for
-
-if TYPE_CHECKING:
-    from yogastore.store import DatasetRef
 
 __all__ = ["EpochRest", "Position"]
 
@@ -58,6 +55,10 @@ class Position:
         prefetch: int | None = None,
         allgather: AllGather | None = None,
     ) -> None:
+        if not isinstance(ref, DatasetRef):
+            raise InvalidArgumentError(
+                f"ref must be a DatasetRef (from Store.cache or Store.open), got {ref!r:.100}"
+            )
         if not isinstance(remainder, Remainder):
             raise InvalidArgumentError(f"remainder must be a Remainder, got {remainder!r}")
         probe = ref.stream(0, 1, shuffle=shuffle, seed=seed, epoch=epoch, block_window=block_window)
@@ -170,11 +171,14 @@ class Position:
         """Record that every shard finished ``steps`` more training steps.
 
         After the last step of the epoch the position moves to the start of
-        the next epoch.
+        the next epoch; steps beyond it count in the epochs that follow, each
+        a fresh epoch of the same layout (computed at once, whatever the count).
 
         Raises:
             InvalidArgumentError: no dataset of this position has been
-                iterated yet, so the step size is unknown.
+                iterated yet, so the step size is unknown; or the steps run
+                past an epoch that has no whole step, or beyond the last epoch
+                a position can hold (2**64 - 1). The position is unchanged.
         """
         steps = check_int("steps", steps, 0)
         with self._lock:
@@ -183,18 +187,38 @@ class Position:
                     "advance() before any dataset of this position was iterated; iterate "
                     "position.dataset(...) (or a dataset_fn dataset) first"
                 )
-            if steps:
-                self._skipped = None
-            self._steps += steps
-            self._global_step += steps
-            while self._steps >= self._segment_steps:
+            total = self._steps + steps
+            if total < self._segment_steps:
+                self._steps = total
+            else:
+                start = self._start
                 if self._segment_steps == 0:
                     raise InvalidArgumentError(
-                        f"advanced past the end of epoch {self._start.epoch}, which has no "
+                        f"advanced past the end of epoch {start.epoch}, which has no "
                         f"whole step for layout {self._layout}"
                     )
-                self._steps -= self._segment_steps
-                self._next_epoch_locked()
+                num_shards, per_step = self._layout
+                left = total - self._segment_steps
+                per_epoch = steps_for(self.ref.num_records, num_shards, per_step, self.remainder)
+                if per_epoch == 0 and left:
+                    raise InvalidArgumentError(
+                        f"advanced past the end of epoch {start.epoch + 1}: a whole epoch of "
+                        f"{self.ref.num_records} records makes no step of {num_shards} shards "
+                        f"x {per_step} records"
+                    )
+                skipped, left = divmod(left, per_epoch) if per_epoch else (0, 0)
+                epoch = start.epoch + 1 + skipped
+                if epoch >= KEY_LIMIT:
+                    raise InvalidArgumentError(
+                        f"advance({steps}) from epoch {start.epoch} reaches epoch {epoch}, "
+                        "beyond the last epoch a position can hold (2**64 - 1)"
+                    )
+                self._start = self._fresh(start.shuffle, start.seed, epoch, start.block_window)
+                self._segment_steps = per_epoch
+                self._steps = left
+            if steps:
+                self._skipped = None
+            self._global_step += steps
 
     def _next_epoch_locked(self) -> None:
         s = self._start
@@ -223,11 +247,16 @@ class Position:
                 # A new iteration continues where the previous one stopped.
                 self._start = self._state_locked()
                 self._steps = 0
+            steps = steps_for(self._start.remaining_records, num_shards, per_step, self.remainder)
+            if steps == 0 and self._start.remaining_records == self.ref.num_records:
+                raise InvalidArgumentError(
+                    f"a whole epoch of {self.ref.num_records} records makes no step of "
+                    f"{num_shards} shards x {per_step} records (Remainder.DROP leaves every "
+                    "record out); use a smaller batch, fewer shards or Remainder.PAD"
+                )
             self._layout = layout
-            self._segment_steps = steps_for(
-                self._start.remaining_records, num_shards, per_step, self.remainder
-            )
-            if self._segment_steps == 0:
+            self._segment_steps = steps
+            if steps == 0:
                 logger.warning(
                     "epoch %d has no whole step left for %d shards x %d records (%d remain); "
                     "skipping to the next epoch",
@@ -267,6 +296,8 @@ class Position:
         text = string_value
         try:
             doc = boundedjson.loads(text, "stream position", InvalidArgumentError)
+            if not isinstance(doc, dict):
+                raise ValueError(f"a JSON {type(doc).__name__}, not an object")
             if doc.get("yogastore_position") != _POSITION_VERSION:
                 raise ValueError("not a yogastore position of a known version")
             state = StreamState.from_json(json.dumps(doc["state"]))
