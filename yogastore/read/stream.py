@@ -11,10 +11,12 @@ the stream is after ``k`` records so it can be resumed exactly.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -216,6 +218,9 @@ class Stream:
             )
         self.assignment = assignment
         self._source: ChunkSource | None = None
+        self._readers = 0  # iterations of a tf.data dataset of this stream under way
+        self._readers_lock = threading.Lock()
+        self._stats: Any = None  # the counters of a source released after its iteration
 
     def __repr__(self) -> str:
         return (
@@ -282,8 +287,37 @@ class Stream:
     def source(self) -> ChunkSource:
         """The chunk source this stream reads through (created on first use)."""
         if self._source is None:
-            self._source = self.ref.make_source()
+            source = self.ref.make_source()
+            if self._stats is not None:  # counters run on across released sources
+                source.stats = self._stats
+            self._source = source
         return self._source
+
+    @contextlib.contextmanager
+    def released_after(self) -> Iterator[None]:
+        """Read within this block; when the last such block ends, release the chunk source.
+
+        ``tf.data.Dataset.from_generator`` keeps its generators, and so their
+        stream, as long as the process lives; a generator that reads within
+        this block leaves behind no buffers, chunk views or read threads
+        (an object store's) once its iteration ends, only the stream's
+        arguments. The next iteration makes a new source; batches already
+        handed over keep the memory they use.
+        """
+        with self._readers_lock:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            source = None
+            with self._readers_lock:
+                self._readers -= 1
+                if self._readers == 0:
+                    source, self._source = self._source, None
+                    if source is not None:
+                        self._stats = source.stats
+            if source is not None:
+                source.close()
 
     def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
         """Yield ``(records, column batches)``, reading ahead on a background thread."""
@@ -500,7 +534,9 @@ class Stream:
 
     def stats(self) -> dict[str, int]:
         """Return read counters: records, batches, bytes fetched, requests, cache hits."""
-        return self.source.stats.as_dict() if self._source is not None else {}
+        if self._source is not None:
+            return self.source.stats.as_dict()
+        return self._stats.as_dict() if self._stats is not None else {}
 
     # Position --------------------------------------------------------------------
 

@@ -135,16 +135,17 @@ def to_tf_dataset(
     specs = tuple(s for c in schema.components for s in _wire_specs(c, static, True))
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        # Strings cross as object arrays of bytes made in C (yogastore._gather.split_bytes):
-        # measured faster than one byte string per batch cut by tf.strings.substr, whose
-        # conversion into a tensor costs more than the per-string objects.
-        for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
-            comps = batch_components(schema, cols, where)
-            del cols
-            yield tuple(
-                w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
-            )
-            del comps
+        with stream.released_after():  # nothing held once an iteration ends
+            # Strings cross as object arrays of bytes made in C (yogastore._gather.split_bytes):
+            # measured faster than one byte string per batch cut by tf.strings.substr, whose
+            # conversion into a tensor costs more than the per-string objects.
+            for _records, cols in stream.column_batches(size, drop_remainder and not unbatch):
+                comps = batch_components(schema, cols, where)
+                del cols
+                yield tuple(
+                    w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
+                )
+                del comps
 
     def rebuild(*w: Any) -> Any:
         return _rebuild(schema, w, static, True)
@@ -186,18 +187,19 @@ def _fixed_dataset(
     specs = tuple(tf.TensorSpec([*lead, *c.shape], tf_dtype(c.dtype)) for c in comps)
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        for _records, cols in stream.column_batches(size * k):
-            arrays = batch_components(schema, cols, where)
-            n = len(arrays[0])
-            if whole:
-                if unbatch or n == size or not drop_remainder:
-                    yield tuple(arrays)
-                continue
-            full = n // size * size
-            if full:
-                yield tuple(a[:full].reshape(full // size, size, *a.shape[1:]) for a in arrays)
-            if full < n and not drop_remainder:
-                yield tuple(a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays)
+        with stream.released_after():  # nothing held once an iteration ends
+            for _records, cols in stream.column_batches(size * k):
+                arrays = batch_components(schema, cols, where)
+                n = len(arrays[0])
+                if whole:
+                    if unbatch or n == size or not drop_remainder:
+                        yield tuple(arrays)
+                    continue
+                full = n // size * size
+                if full:
+                    yield tuple(a[:full].reshape(full // size, size, *a.shape[1:]) for a in arrays)
+                if full < n and not drop_remainder:
+                    yield tuple(a[full:].reshape(1, n - full, *a.shape[1:]) for a in arrays)
 
     def split(groups: tf.data.Dataset) -> tf.data.Dataset:
         if unbatch:
@@ -284,26 +286,27 @@ def _grouped_dataset(
         return tuple(out)
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        # Groups of 1, 2, 4, ... k batches: the first batch waits for one batch's read, not
-        # a whole group's (k > 1 only through Stream's own column_batches).
-        for _records, cols in stream._batch_groups(size, k, in_place):
-            arrays = batch_components(schema, cols, where, strings)
-            del cols
-            file = no_file
-            mapped = getattr(stream.source, "mapped_file", lambda: None)() if in_place else None
-            if mapped is not None:
-                file = (mapped[0].encode(), np.array(mapped[1:], np.int64))
-            n = (
-                len(arrays[0])
-                if comps[0].kind is Kind.TENSOR
-                else len(arrays[0].nested_row_splits[0]) - 1
-            )
-            full = n // size * size
-            if full:
-                yield wire(arrays, 0, full, size, file)
-            if full < n and not drop_remainder:
-                yield wire(arrays, full, n, n - full, file)
-            del arrays
+        with stream.released_after():  # nothing held once an iteration ends
+            # Groups of 1, 2, 4, ... k batches: the first batch waits for one batch's read, not
+            # a whole group's (k > 1 only through Stream's own column_batches).
+            for _records, cols in stream._batch_groups(size, k, in_place):
+                arrays = batch_components(schema, cols, where, strings)
+                del cols
+                file = no_file
+                mapped = getattr(stream.source, "mapped_file", lambda: None)() if in_place else None
+                if mapped is not None:
+                    file = (mapped[0].encode(), np.array(mapped[1:], np.int64))
+                n = (
+                    len(arrays[0])
+                    if comps[0].kind is Kind.TENSOR
+                    else len(arrays[0].nested_row_splits[0]) - 1
+                )
+                full = n // size * size
+                if full:
+                    yield wire(arrays, 0, full, size, file)
+                if full < n and not drop_remainder:
+                    yield wire(arrays, full, n, n - full, file)
+                del arrays
 
     def regroup(rows: Any, *w: Any) -> Any:
         out: list[Any] = []
@@ -368,13 +371,16 @@ def _per_element_dataset(
     specs = tuple(s for c in schema.components for s in _wire_specs(c, None, False))
 
     def generate() -> Iterator[tuple[Any, ...]]:
-        # A stream subclass may give batches a meaning (steps), so read in its batches.
-        for _records, cols in stream.column_batches(batch_size, drop_remainder):
-            for i in range(len(cols[0]) if cols else 0):
-                comps = element_components(schema, cols, i)
-                yield tuple(
-                    w for c, v in zip(schema.components, comps, strict=True) for w in _wire(c, v)
-                )
+        with stream.released_after():  # nothing held once an iteration ends
+            # A stream subclass may give batches a meaning (steps), so read in its batches.
+            for _records, cols in stream.column_batches(batch_size, drop_remainder):
+                for i in range(len(cols[0]) if cols else 0):
+                    comps = element_components(schema, cols, i)
+                    yield tuple(
+                        w
+                        for c, v in zip(schema.components, comps, strict=True)
+                        for w in _wire(c, v)
+                    )
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
     ds = ds.map(
