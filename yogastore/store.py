@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import collections
 import dataclasses
 import functools
 import json
@@ -113,11 +114,19 @@ def _is_tf_dataset(obj: Any) -> bool:
 
 
 _SOURCES_LOCK = threading.Lock()  # DatasetRef.make_source
+# Local sources whose tf.data iteration ended (Stream.released_after), by store and build:
+# the next source of that build shares their views, as it would a live source's. A few
+# builds at most, so views of builds deleted or rebuilt since pin no more than these.
+_RELEASED: collections.OrderedDict[tuple[str, str, str], LocalChunkSource] = (
+    collections.OrderedDict()
+)
+_RELEASED_KEPT = 2
 
 
 def _after_fork() -> None:
     global _SOURCES_LOCK
     _SOURCES_LOCK = threading.Lock()
+    _RELEASED.clear()  # a child makes views of its own
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -196,15 +205,35 @@ class DatasetRef:
         the build's pages (a rebuild could not reuse them, a delete could not
         free them) for as long as a source uses them, and no longer.
         """
+        key = (self.store.backend.url, self.manifest.key, self.manifest.build_id)
         with _SOURCES_LOCK:
-            live = next(iter(self._sources), None)
+            live = next(iter(self._sources), None) or _RELEASED.get(key)
             twin = live.sibling() if live is not None else None
+            if twin is None:
+                _RELEASED.pop(key, None)
             source: ChunkSource = twin or self.store.make_source(self.manifest)
             if isinstance(source, LocalChunkSource):
                 if twin is None:  # views of a build no longer stored: share none of them
                     self._sources.clear()
                 self._sources.add(source)
             return source
+
+    def release_source(self, source: ChunkSource) -> None:
+        """Take back a source whose reading ended (``Stream.released_after``).
+
+        Its buffers, and an object store's read threads and chunks in memory,
+        are released (``close``); a local source's views are kept for the
+        next source of the same build in this process (the last
+        ``_RELEASED_KEPT`` builds' only).
+        """
+        source.close()
+        if isinstance(source, LocalChunkSource):
+            key = (self.store.backend.url, self.manifest.key, self.manifest.build_id)
+            with _SOURCES_LOCK:
+                _RELEASED[key] = source
+                _RELEASED.move_to_end(key)
+                while len(_RELEASED) > _RELEASED_KEPT:
+                    _RELEASED.popitem(last=False)
 
     def _shuffle(self, shuffle: bool | Shuffle) -> Shuffle:
         if isinstance(shuffle, Shuffle):

@@ -228,6 +228,10 @@ class FixedRows:
         self._pool = pool if pool is not None else BufferPool()
         self._lock = threading.Lock()
 
+    def clear_buffers(self) -> None:
+        """Drop the idle output buffers (the next gathers allocate again)."""
+        self._pool.clear()
+
     def add(self, chunk: int, view: ChunkView, column: int) -> None:
         """Make chunk ``chunk``'s records of this column gatherable."""
         col = view.columns[column]
@@ -344,6 +348,10 @@ class VarRows:
         self._aligned: tuple[np.ndarray, int, int] | None = None  # (span, low, end) it covers
         self._pool = pool if pool is not None else BufferPool()
         self._lock = threading.Lock()
+
+    def clear_buffers(self) -> None:
+        """Drop the idle output buffers (the next gathers allocate again)."""
+        self._pool.clear()
 
     def add(self, chunk: int, view: ChunkView, column: int) -> None:
         """Make chunk ``chunk``'s records of this column gatherable."""

@@ -421,4 +421,6 @@ class LocalChunkSource:
             self._advise[chunk] = self.backend.will_read(key, starts, ends)
 
     def close(self) -> None:
-        """Nothing to release: views go with the last source sharing them."""
+        """Drop the idle gather buffers; views go with the last source sharing them."""
+        for rows in self._rows:
+            rows.clear_buffers()

@@ -317,7 +317,7 @@ class Stream:
                     if source is not None:
                         self._stats = source.stats
             if source is not None:
-                source.close()
+                self.ref.release_source(source)
 
     def column_batches(self, batch_size: int, drop_remainder: bool = False) -> Iterator[Any]:
         """Yield ``(records, column batches)``, reading ahead on a background thread."""
