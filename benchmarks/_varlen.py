@@ -9,6 +9,9 @@ Rows of one case, side by side on the same records:
 (a'), (e3'), (b') the same three datasets consumed inside TensorFlow (``Dataset.reduce``,
      as ``Model.fit`` takes its batches) instead of by a Python loop;
 (b1) (b) with the library's string kernel switched off (strings as arrays of ``bytes``);
+(b2) (b) in a fresh process over its first epochs (0-3), each a new stream: epochs the
+     process never read, so it maps their pages and hashes their blocks for the first time
+     (``benchmarks/_first_epochs.py``); (b)'s timed runs re-read epochs it read before;
 (b0) (b)'s batches prepared in memory beforehand and handed to tf.data by ``from_generator``
      as (b) hands them over (no read: the ceiling of that hand-over);
 (z)  one batch prepared as tensors and repeated, consumed by the same Python loop (no read,
@@ -399,6 +402,85 @@ def stream_tf_objects_row(ctx: VarContext) -> dict[str, Any]:
         lambda p: stream_indices(ctx.ref, case, p),
         note="strings as numpy arrays of bytes",
     )[0]
+
+
+FIRST_EPOCHS = 4  # (b2): the epochs a fresh process reads
+
+
+def first_epochs_row(ctx: VarContext) -> dict[str, Any]:
+    """(b2): (b) in a fresh process over its first ``FIRST_EPOCHS`` epochs, each new to it.
+
+    (b)'s timed runs re-read epochs the process has read (and so checked) before; a training
+    process meets every epoch once, and a rank of a global shuffle keeps meeting blocks it has
+    not hashed yet for several epochs. Each of ``repeats`` fresh processes
+    (``benchmarks/_first_epochs.py``, page cache warm, as for every row) reads epochs
+    ``0 .. FIRST_EPOCHS-1``, each a new stream and dataset; the rate is their records over
+    the seconds of their iterations, the median process's, whose per-epoch rates the note
+    gives. Every epoch's record count and label sum are checked (its bytes come through
+    (b)'s path, which (b)'s untimed pass checks byte for byte).
+    """
+    import json
+    import subprocess
+    import sys
+
+    case = ctx.case
+    expected = []
+    for epoch in range(FIRST_EPOCHS):
+        stream = ctx.ref.stream(
+            case.shard_rank,
+            case.num_shards,
+            shuffle=True,
+            seed=case.seed,
+            epoch=epoch,
+            num_epochs=1,
+        )
+        pieces = list(stream.record_indices(case.batch_size))
+        idx = np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+        expected.append((len(idx), int(ctx.recs.labels[idx].sum())))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks._first_epochs",
+        str(ctx.store.url),
+        DATASET,
+        "1",
+        str(case.shard_rank),
+        str(case.num_shards),
+        str(case.seed),
+        str(case.batch_size),
+        str(FIRST_EPOCHS),
+    ]
+    root = Path(__file__).resolve().parent.parent
+    runs = []
+    for _ in range(case.repeats):
+        done = subprocess.run(
+            cmd, cwd=root, capture_output=True, text=True, timeout=900, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"(b2) reader failed: {done.stderr[-2000:]}")
+        epochs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        ok = [(e["records"], e["label_sum"]) for e in epochs] == expected
+        records = sum(e["records"] for e in epochs)
+        seconds = sum(e["seconds"] for e in epochs)
+        runs.append((records / seconds if seconds > 0 else 0.0, ok, records, epochs))
+    runs.sort(key=lambda r: r[0])
+    rate, _ok, records, epochs = runs[len(runs) // 2]
+    all_ok = all(r[1] for r in runs)
+    per_epoch = ", ".join(
+        f"{e['records'] / e['seconds']:,.0f}" if e["seconds"] > 0 else "-" for e in epochs
+    )
+    return _row(
+        "b2",
+        f"(b), fresh process, its first {FIRST_EPOCHS} epochs (new streams)",
+        case,
+        rate=rate,
+        rates=[r[0] for r in runs],
+        records_per_run=records,
+        runs_ok=all_ok,
+        verified={"ok": all_ok, "what": "each epoch's record count and label sum"},
+        epoch_rates=[e["records"] / e["seconds"] if e["seconds"] > 0 else None for e in epochs],
+        note=f"records/s per epoch: {per_epoch}",
+    )
 
 
 def generator_ceiling_row(ctx: VarContext) -> list[dict[str, Any]]:

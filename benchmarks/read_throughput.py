@@ -77,6 +77,7 @@ VAR_BOUNDS = (
     ("(z') / (a'), the graph's consumer alone", "z'", "a'"),
     ("(b0) / (e3), the hand-over alone", "b0", "e3"),
     ("(b0') / (e3'), the hand-over alone", "b0'", "e3'"),
+    ("(b2) / (e3), a fresh process's first epochs", "b2", "e3"),
 )
 
 
@@ -283,6 +284,7 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
         ("a", "TFRecord", lambda: _varlen.tfrecord_rows(ctx)),
         ("b", "stream -> tf.data", lambda: _varlen.stream_tf_rows(ctx)),
         ("b1", "stream -> tf.data, no kernel", lambda: [_varlen.stream_tf_objects_row(ctx)]),
+        ("b2", "stream -> tf.data, first epochs", lambda: [_varlen.first_epochs_row(ctx)]),
         ("b0", "from_generator ceiling", lambda: _varlen.generator_ceiling_row(ctx)),
         ("z", "loop floor", lambda: _varlen.loop_floor_row(ctx)),
         ("c", "stream.batches", lambda: _varlen.stream_numpy_rows(ctx)),

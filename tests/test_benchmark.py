@@ -57,7 +57,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
 
 
 FIXED_KEYS = ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2", "g3"]
-VAR_KEYS = ["a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "b0'", "z", "z'"]
+VAR_KEYS = ["a", "a'", "e3", "e3'", "b", "b'", "b1", "b2", "b0", "b0'", "z", "z'"]
 VAR_KEYS += ["c", "c2", "c3", "d", "p"]
 FIXED_TARGETS = [
     "(b) tf.data / (a) TFRecordDataset",
@@ -96,6 +96,10 @@ def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
         assert [r["key"] for r in case["rows"]] == keys
         assert [t["target"] for t in case["targets"]] == targets
         if case["case"]["kind"] != "fixed":
+            # (b2): fresh processes read the first epochs, each epoch's count and sum checked.
+            fresh = next(r for r in case["rows"] if r["key"] == "b2")
+            assert fresh["error"] is None and fresh["runs_ok"], fresh
+            assert len(fresh["epoch_rates"]) == 4 and len(fresh["rates"]) == 2
             # The bounds are ratios of the case's own rows, printed under its targets.
             rate = {r["key"]: r["rate"] for r in case["rows"]}
             got = {b["bound"]: b["value"] for b in case["bounds"]}
@@ -104,6 +108,7 @@ def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
                 "(z') / (a'), the graph's consumer alone": rate["z'"] / rate["a'"],
                 "(b0) / (e3), the hand-over alone": rate["b0"] / rate["e3"],
                 "(b0') / (e3'), the hand-over alone": rate["b0'"] / rate["e3'"],
+                "(b2) / (e3), a fresh process's first epochs": rate["b2"] / rate["e3"],
             }
     assert stdout.count("targets:") == 6
     assert stdout.count("bounds (no target):") == 3
