@@ -85,11 +85,29 @@ def test_a_dataset_releases_its_source_after_each_iteration(tmp_path: Path) -> N
     assert gone() is None
     # The dataset reads the same records again (through the views its last source left for
     # the next: nothing fetched again), and the counters run on.
+    fetched = stream.stats()["bytes_fetched"]
     assert ids_of(ds) == first
     assert stream.stats()["records"] == 2 * counted
+    assert stream.stats()["bytes_fetched"] == fetched  # the views were shared, not fetched
     for batch in ds.take(2):
         assert all(
             s == bytes([i % 251]) * (i % 700)
             for i, s in zip(batch["id"].numpy().tolist(), batch["s"].numpy().tolist(), strict=True)
         )
     assert stream._source is None  # an iteration left early releases it too
+
+
+def test_a_delete_frees_the_file_a_released_dataset_read(tmp_path: Path) -> None:
+    spec = {"x": y.ComponentSpec(shape=(512,), dtype="uint8")}
+    rows = [{"x": np.full(512, i % 256, np.uint8)} for i in range(2000)]
+    store = y.Store(tmp_path, chunk_bytes=64 << 10)
+    ref = store.cache("d", "1", lambda: iter(rows), spec=spec)
+    ds = ref.stream(0, 1).to_tf_dataset(100)
+    assert sum(int(b["x"].shape[0]) for b in ds) == 2000
+    del ds, ref
+    gc.collect()
+    store.delete("d", "1")
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        deleted = [line for line in maps if str(tmp_path) in line and "(deleted)" in line]
+    assert deleted == []  # no view kept for the next source pins the deleted file

@@ -66,7 +66,7 @@ class PositionCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
         if not isinstance(position, Position):
             raise InvalidArgumentError(
-                f"position must be a yogastore.distributed.StreamPosition, got {position!r:.100}"
+                f"position must be a StreamPosition (yogastore.distributed), got {position!r:.100}"
             )
         if manager is not None and not isinstance(manager, tf.train.CheckpointManager):
             raise InvalidArgumentError(

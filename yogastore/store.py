@@ -121,12 +121,22 @@ _RELEASED: collections.OrderedDict[tuple[str, str, str], LocalChunkSource] = (
     collections.OrderedDict()
 )
 _RELEASED_KEPT = 2
+_FORKED_AWAY: list[dict[tuple[str, str, str], LocalChunkSource]] = []
+
+
+def _forget_released(url: str, key: str) -> None:
+    """Drop the released views of every build of one version (before a delete or rebuild)."""
+    with _SOURCES_LOCK:
+        for entry in [k for k in _RELEASED if k[:2] == (url, key)]:
+            del _RELEASED[entry]
 
 
 def _after_fork() -> None:
     global _SOURCES_LOCK
     _SOURCES_LOCK = threading.Lock()
-    _RELEASED.clear()  # a child makes views of its own
+    # A child makes views of its own; the parent's are set aside, not dropped, in the hook.
+    _FORKED_AWAY.append(dict(_RELEASED))
+    _RELEASED.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -203,7 +213,10 @@ class DatasetRef:
         chunk's index again, only hashes each before it first reads through
         it. The reference itself holds no views: they pin
         the build's pages (a rebuild could not reuse them, a delete could not
-        free them) for as long as a source uses them, and no longer.
+        free them) for as long as a source uses them, and the views of the
+        last ``_RELEASED_KEPT`` builds released by ``release_source`` until a
+        delete or rebuild of their version in this process (or until newer
+        builds push them out).
         """
         key = (self.store.backend.url, self.manifest.key, self.manifest.build_id)
         with _SOURCES_LOCK:
@@ -211,6 +224,8 @@ class DatasetRef:
             twin = live.sibling() if live is not None else None
             if twin is None:
                 _RELEASED.pop(key, None)
+            if twin is not None:
+                twin.backend = self.store.backend  # reads on through this store's backend
             source: ChunkSource = twin or self.store.make_source(self.manifest)
             if isinstance(source, LocalChunkSource):
                 if twin is None:  # views of a build no longer stored: share none of them
@@ -545,6 +560,8 @@ class Store:
             # rebuild=True: the committed version stays readable until the new
             # build replaces its manifest; a failed rebuild leaves it as it was.
             replaces = manifest
+            if replaces is not None:  # its views, released here, must not pin its pages
+                _forget_released(self.backend.url, replaces.key)
             # Keys left by a build that died before its manifest are never read
             # and are swept after the commit, not now: a holder whose lease ran
             # out unnoticed may still be writing, and deleting first could leave
@@ -927,6 +944,7 @@ class Store:
         validate_name(version, "version")
         prefix = f"{dataset_id}/{version}/"
         name = f"{dataset_id}/{version}"
+        _forget_released(self.backend.url, manifest_key(dataset_id, version))
         with self.backend.lock(name, timeout=self.lock_timeout):
             keys = self.backend.list(prefix)
             housekeeping.check_own(keys, prefix, self.url)

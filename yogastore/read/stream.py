@@ -43,7 +43,7 @@ from yogastore.read.order import (
 from yogastore.spec import STRING, Kind, Schema, row_bytes
 
 if TYPE_CHECKING:
-    from yogastore.read.reader import ChunkSource
+    from yogastore.read.reader import ChunkSource, ReadStats
     from yogastore.store import DatasetRef
 
 __all__ = ["Stream", "StreamState", "fixed_numeric", "splittable"]
@@ -220,7 +220,7 @@ class Stream:
         self._source: ChunkSource | None = None
         self._readers = 0  # iterations of a tf.data dataset of this stream under way
         self._readers_lock = threading.Lock()
-        self._stats: Any = None  # the counters of a source released after its iteration
+        self._stats: ReadStats | None = None  # the counters of a released source
 
     def __repr__(self) -> str:
         return (
@@ -286,12 +286,16 @@ class Stream:
     @property
     def source(self) -> ChunkSource:
         """The chunk source this stream reads through (created on first use)."""
-        if self._source is None:
-            source = self.ref.make_source()
-            if self._stats is not None:  # counters run on across released sources
-                source.stats = self._stats
-            self._source = source
-        return self._source
+        source = self._source
+        if source is None:
+            with self._readers_lock:  # two iterations starting at once make one source
+                source = self._source
+                if source is None:
+                    source = self.ref.make_source()
+                    if self._stats is not None:  # counters run on across released sources
+                        source.stats = self._stats
+                    self._source = source
+        return source
 
     @contextlib.contextmanager
     def released_after(self) -> Iterator[None]:
@@ -534,8 +538,9 @@ class Stream:
 
     def stats(self) -> dict[str, int]:
         """Return read counters: records, batches, bytes fetched, requests, cache hits."""
-        if self._source is not None:
-            return self.source.stats.as_dict()
+        source = self._source
+        if source is not None:
+            return source.stats.as_dict()
         return self._stats.as_dict() if self._stats is not None else {}
 
     # Position --------------------------------------------------------------------

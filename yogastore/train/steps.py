@@ -8,7 +8,7 @@ import enum
 from storage_backends.errors import InvalidArgumentError
 from yogastore.checks import check_int
 
-__all__ = ["EpochSize", "Remainder", "steps_for"]
+__all__ = ["EpochSize", "Remainder", "no_step_why", "steps_for"]
 
 
 class Remainder(enum.Enum):
@@ -83,3 +83,15 @@ def steps_for(total: int, num_shards: int, per_step: int, remainder: Remainder) 
         return (total // num_shards) // per_step
     longest = -(-total // num_shards)
     return -(-longest // per_step)
+
+
+def no_step_why(num_records: int, remainder: Remainder) -> str:
+    """Why a whole epoch of ``num_records`` makes no step (for the refusal's message)."""
+    if num_records == 0:
+        return "the dataset has no records"
+    if remainder is Remainder.DROP:
+        return (
+            "Remainder.DROP leaves every record out; use a smaller batch, fewer shards or "
+            "Remainder.PAD"
+        )
+    return f"Remainder.{remainder.name}"
