@@ -19,7 +19,7 @@ import yogastore as y
 from storage_backends.errors import LockLostError
 from storage_backends.s3_backend import S3Backend
 from storage_backends.s3_lock import S3Lock
-from tests.backends.s3_support import SPEC, check_batch, create_bucket, fake_credentials, records
+from tests.backends.s3_support import SPEC, check_batch, moto_bucket, records
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 
@@ -30,12 +30,8 @@ N = 300
 
 @pytest.fixture
 def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from moto import mock_aws
-
-    fake_credentials(monkeypatch)
-    with mock_aws():
-        create_bucket(None, BUCKET)
-        yield BUCKET
+    with moto_bucket(monkeypatch, BUCKET) as name:
+        yield name
 
 
 def read_all(ref: y.DatasetRef) -> list[int]:

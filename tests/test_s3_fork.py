@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import yogastore as y
-from tests.backends.s3_support import SPEC, blob, create_bucket, fake_credentials, records
+from tests.backends.s3_support import SPEC, blob, moto_bucket, records
 from yogastore.format import ColumnBatch
 from yogastore.read.remote import RemoteChunkSource
 
@@ -23,12 +23,8 @@ N = 400
 
 @pytest.fixture
 def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from moto import mock_aws
-
-    fake_credentials(monkeypatch)
-    with mock_aws():
-        create_bucket(None, BUCKET)
-        yield BUCKET
+    with moto_bucket(monkeypatch, BUCKET) as name:
+        yield name
 
 
 def decode(ref: y.DatasetRef, columns: list[ColumnBatch]) -> list[tuple[int, bytes]]:

@@ -25,8 +25,7 @@ from tests.backends.s3_support import (
     REGION,
     SPEC,
     check_batch,
-    create_bucket,
-    fake_credentials,
+    moto_bucket,
     records,
 )
 from yogastore.read.diskcache import _ENTRY, _META, DiskCache, _digest
@@ -42,12 +41,8 @@ CHUNK = 64 << 10
 
 @pytest.fixture
 def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from moto import mock_aws
-
-    fake_credentials(monkeypatch)
-    with mock_aws():
-        create_bucket(None, BUCKET)
-        yield BUCKET
+    with moto_bucket(monkeypatch, BUCKET) as name:
+        yield name
 
 
 def s3_store(tmp_path: Path, **options: Any) -> y.Store:

@@ -19,7 +19,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import yogastore as y  # noqa: E402
-from tests.backends.s3_support import SPEC, create_bucket, fake_credentials, records  # noqa: E402
+from tests.backends.s3_support import SPEC, moto_bucket, records  # noqa: E402
 
 BUCKET = "yoga-release"
 
@@ -34,12 +34,8 @@ def ids_of(ds: object) -> list[int]:
 
 @pytest.fixture
 def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from moto import mock_aws
-
-    fake_credentials(monkeypatch)
-    with mock_aws():
-        create_bucket(None, BUCKET)
-        yield BUCKET
+    with moto_bucket(monkeypatch, BUCKET) as name:
+        yield name
 
 
 @pytest.mark.s3

@@ -50,7 +50,7 @@ from yogastore.train.launchers import (
     worker_rank,
 )
 from yogastore.train.position import EpochRest, Position
-from yogastore.train.steps import EpochSize, Remainder, no_step_why, steps_for
+from yogastore.train.steps import EpochSize, Remainder, check_epoch_has_step
 
 if TYPE_CHECKING:
     from yogastore.keras_callback import PositionCallback
@@ -166,12 +166,7 @@ class StreamPosition(Position, tf.train.experimental.PythonState):  # type: igno
             raise InvalidArgumentError(f"epoch_size must be an EpochSize, got {epoch_size!r}")
         steps = None
         per_step = batch_size * batches_per_step
-        if steps_for(self.ref.num_records, num_shards, per_step, self.remainder) == 0:
-            why = no_step_why(self.ref.num_records, self.remainder)
-            raise InvalidArgumentError(
-                f"a whole epoch of {self.ref.num_records} records makes no step of {num_shards} "
-                f"shards x {per_step} records ({why})"
-            )
+        check_epoch_has_step(self.ref.num_records, num_shards, per_step, self.remainder)
         if epoch_size is not None:
             steps = epoch_size.resolve(self.ref.num_records, num_shards, per_step, self.remainder)
         self.steps_per_epoch = steps

@@ -5,6 +5,7 @@ Functions here are importable by spawned child processes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -70,6 +71,17 @@ def create_bucket(endpoint: str | None, bucket: str) -> None:
     # keeps the first ones it found for the life of the process).
     client = boto3.session.Session().client("s3", region_name=REGION, endpoint_url=endpoint)
     client.create_bucket(Bucket=bucket)
+
+
+@contextlib.contextmanager
+def moto_bucket(monkeypatch: pytest.MonkeyPatch, bucket: str) -> Iterator[str]:
+    """Yield ``bucket``, created in moto's in-process S3 with fake credentials."""
+    from moto import mock_aws
+
+    fake_credentials(monkeypatch)
+    with mock_aws():
+        create_bucket(None, bucket)
+        yield bucket
 
 
 def shared_moto_bucket(monkeypatch: pytest.MonkeyPatch, prefix: str) -> str:

@@ -27,7 +27,7 @@ from yogastore.read.order import KEY_LIMIT, Shuffle
 from yogastore.read.stream import Stream, StreamState
 from yogastore.store import DEFAULT_BLOCK_WINDOW, DatasetRef
 from yogastore.train.agreement import AllGather, check_agreement
-from yogastore.train.steps import Remainder, no_step_why, steps_for
+from yogastore.train.steps import Remainder, steps_for
 
 __all__ = ["EpochRest", "Position"]
 
@@ -248,12 +248,6 @@ class Position:
                 self._start = self._state_locked()
                 self._steps = 0
             steps = steps_for(self._start.remaining_records, num_shards, per_step, self.remainder)
-            if steps == 0 and self._start.remaining_records == self.ref.num_records:
-                why = no_step_why(self.ref.num_records, self.remainder)
-                raise InvalidArgumentError(
-                    f"a whole epoch of {self.ref.num_records} records makes no step of "
-                    f"{num_shards} shards x {per_step} records ({why})"
-                )
             self._layout = layout
             self._segment_steps = steps
             if steps == 0:

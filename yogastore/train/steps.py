@@ -8,7 +8,7 @@ import enum
 from storage_backends.errors import InvalidArgumentError
 from yogastore.checks import check_int
 
-__all__ = ["EpochSize", "Remainder", "no_step_why", "steps_for"]
+__all__ = ["EpochSize", "Remainder", "check_epoch_has_step", "steps_for"]
 
 
 class Remainder(enum.Enum):
@@ -85,13 +85,24 @@ def steps_for(total: int, num_shards: int, per_step: int, remainder: Remainder) 
     return -(-longest // per_step)
 
 
-def no_step_why(num_records: int, remainder: Remainder) -> str:
-    """Why a whole epoch of ``num_records`` makes no step (for the refusal's message)."""
+def check_epoch_has_step(
+    num_records: int, num_shards: int, per_step: int, remainder: Remainder
+) -> None:
+    """Refuse a layout in which a whole epoch of ``num_records`` makes no step.
+
+    Raises:
+        InvalidArgumentError: naming the records, the layout and why.
+    """
+    if steps_for(num_records, num_shards, per_step, remainder) > 0:
+        return
     if num_records == 0:
-        return "the dataset has no records"
-    if remainder is Remainder.DROP:
-        return (
+        why = "the dataset has no records"
+    else:
+        why = (
             "Remainder.DROP leaves every record out; use a smaller batch, fewer shards or "
             "Remainder.PAD"
         )
-    return f"Remainder.{remainder.name}"
+    raise InvalidArgumentError(
+        f"a whole epoch of {num_records} records makes no step of {num_shards} shards x "
+        f"{per_step} records ({why})"
+    )
