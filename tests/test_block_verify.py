@@ -488,3 +488,23 @@ def test_digest_blocks_of_pieces_equal_the_blocks_of_their_concatenation(
     got = digest_blocks([memoryview(p) for p in pieces], size)
     assert got.dtype == np.dtype("<u8")
     assert got.tolist() == expected
+
+
+@pytest.mark.parametrize("size", [256, 4096])
+def test_chunk_digests_agree_compiled_and_in_python(
+    monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """The build's block table: one compiled call, or a Python loop without ``_gather``."""
+    from yogastore.format import blocks
+
+    rng = np.random.default_rng(size)
+    for length in (0, 1, size - 1, size, size + 1, 37 * size + 5):
+        data = bytearray(rng.bytes(length))
+        compiled = blocks.digest_blocks([memoryview(data)], size)
+        parts = [bytes(data[: length // 3]), memoryview(data)[length // 3 :]]
+        assert blocks.digest_blocks(parts, size).tolist() == compiled.tolist()
+        with monkeypatch.context() as m:
+            m.setattr(blocks, "_gather", None)
+            python = blocks.digest_blocks([memoryview(data)], size)
+        assert compiled.dtype == python.dtype and compiled.tolist() == python.tolist()
+        assert len(compiled) == -(-length // size)

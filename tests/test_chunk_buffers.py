@@ -234,3 +234,57 @@ def test_a_finished_build_leaves_no_uploader_or_buffer_behind(tmp_path: Path) ->
         gc.enable()
     assert len(ref.manifest.chunks) > 10
     assert left == []
+
+
+@pytest.mark.parametrize("n", [1, 300])
+def test_a_chunk_copied_by_the_compiled_join_equals_the_python_one(
+    monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    from yogastore.format import encode
+
+    builder = _builder(n, n + 7)
+    compiled_new, compiled_used = builder.encode(), builder.encode(lambda k: bytearray(k + 9))
+    monkeypatch.setattr(encode, "_gather", None)
+    python_new, python_used = builder.encode(), builder.encode(lambda k: bytearray(k + 9))
+    assert bytes(compiled_new) == bytes(compiled_used) == bytes(python_new) == bytes(python_used)
+
+
+def test_the_compiled_join_checks_its_destination() -> None:
+    from yogastore import _gather
+
+    dst = bytearray(b"\xa5" * 12)
+    pieces = [b"ab", memoryview(b"cde"), np.arange(3, dtype=np.uint8), b""]
+    assert _gather.join_into(dst, pieces) == 8
+    assert bytes(dst) == b"abcde\x00\x01\x02" + b"\xa5" * 4
+    with pytest.raises(ValueError, match="more than the 12 bytes of dst"):
+        _gather.join_into(dst, [b"x" * 8, b"y" * 5])
+    assert bytes(dst[:8]) == b"abcde\x00\x01\x02"  # nothing copied by a refused join
+    with pytest.raises(TypeError):
+        _gather.join_into(b"read-only", [b"x"])
+    with pytest.raises(ValueError, match="not C-contiguous"):  # not one run of bytes
+        _gather.join_into(dst, [np.arange(6, dtype=np.uint8)[::2]])
+
+
+def test_a_chunk_that_fails_to_encode_fails_the_build_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks are encoded off the reading thread: a failure there is still the build's."""
+    records = _records(600)
+    calls = []
+    original = ChunkBuilder.encode
+
+    def failing(self: ChunkBuilder, into: object = None) -> object:
+        calls.append(self.count)
+        if len(calls) == 4:
+            raise RuntimeError("encoding chunk 4 failed")
+        return original(self, into)  # type: ignore[arg-type]
+
+    store = yogastore.Store(tmp_path, chunk_bytes=16 << 10)
+    monkeypatch.setattr(ChunkBuilder, "encode", failing)
+    with pytest.raises(RuntimeError, match="encoding chunk 4 failed"):
+        store.cache("d", "1", lambda: records, spec=SPEC, progress=yogastore.NullProgress())
+    assert store.versions() == []
+    monkeypatch.setattr(ChunkBuilder, "encode", original)
+    ref = store.cache("d", "1", lambda: records, spec=SPEC, progress=yogastore.NullProgress())
+    assert len(ref.manifest.chunks) > 10
+    _check(ref, records)

@@ -28,6 +28,11 @@
  * xxhash's own (third_party/xxhash, the library python-xxhash wraps), so it equals
  * xxhash.xxh3_64_intdigest of the same bytes.
  *
+ * join_into(dst, pieces) copies the buffers of pieces one after another to the
+ * start of dst and returns the bytes written (a chunk laid out by the cache
+ * build). Their total is checked against dst first; the copy runs without the
+ * GIL, so the build's next records are read meanwhile.
+ *
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
  * permutation of yogastore.read.order.FeistelPermutation (same rounds, same words,
  * same cycle walking) on int64 values in [0, n), writing int64 images to out.
@@ -526,6 +531,59 @@ done:
     return result;
 }
 
+static PyObject *join_into(PyObject *module, PyObject *args) {
+    Py_buffer dst;
+    PyObject *pieces, *seq = NULL, *result = NULL;
+    Py_buffer *bufs = NULL;
+    Py_ssize_t n = 0, held = 0, total = 0;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "w*O", &dst, &pieces)) {
+        return NULL;
+    }
+    seq = PySequence_Fast(pieces, "pieces must be a sequence of buffers");
+    if (seq == NULL) {
+        goto done;
+    }
+    n = PySequence_Fast_GET_SIZE(seq);
+    bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < n; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &bufs[held],
+                               PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        if (bufs[held].len > dst.len - total) {
+            PyErr_Format(PyExc_ValueError,
+                         "pieces up to %zd hold more than the %zd bytes of dst", held, dst.len);
+            held++;
+            goto done;
+        }
+        total += bufs[held].len;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    char *at = (char *)dst.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (bufs[i].len) {
+            memcpy(at, bufs[i].buf, (size_t)bufs[i].len);
+        }
+        at += bufs[i].len;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(total);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+    }
+    PyMem_Free(bufs);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", gather_rows, METH_VARARGS,
      "gather_rows(dst, src, starts, row_bytes): copy rows src[starts[i]:+row_bytes] "
@@ -542,6 +600,9 @@ static PyMethodDef methods[] = {
      "hash_blocks(out, views, which, starts, ends): out[i] = XXH3-64 of "
      "views[which[i]][starts[i]:ends[i]] (uint64), every range checked first; hashes "
      "without the GIL."},
+    {"join_into", join_into, METH_VARARGS,
+     "join_into(dst, pieces) -> int: copy the buffers of pieces one after another to the "
+     "start of dst; their total is checked first; copies without the GIL."},
     {"feistel", feistel, METH_VARARGS,
      "feistel(out, values, keys, high_bits, low_bits, wide, n): keyed permutation of "
      "int64 values in [0, n) into out (see yogastore.read.order.FeistelPermutation)."},
@@ -551,6 +612,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "yogastore._gather",
     "Compiled loops of the read path: row and range gathers (yogastore.format.memory), "
+    "the build's chunk copy (yogastore.format.encode), "
     "verified-block lookups and block hashes (yogastore.read.verified) and the shuffled order (yogastore.read.order.FeistelPermutation).", -1, methods,
 };
 

@@ -5,6 +5,10 @@
 // Python as arrays (the buffer may be a read-only view of the mapped chunks,
 // handed over without a copy); this kernel makes the strings in a tf.data
 // thread, with one bounds-checked copy each and no Python object per string.
+//
+// YogastoreJoinBytes: the other way, for a cache build. Strings [n] become
+// their bytes one after another plus their lengths, one copy each, in a
+// tf.data thread: the first pass then takes a batch of strings as two arrays.
 
 #include <sys/stat.h>
 
@@ -126,5 +130,44 @@ class GatherBytesOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("YogastoreGatherBytes").Device(::tensorflow::DEVICE_CPU),
                         GatherBytesOp);
+
+REGISTER_OP("YogastoreJoinBytes")
+    .Input("strings: string")
+    .Output("values: uint8")
+    .Output("lengths: int64")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->NumElements(c->input(0))));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(The bytes of strings (any shape, row-major) one after another, and their lengths.)doc");
+
+class JoinBytesOp : public OpKernel {
+ public:
+  explicit JoinBytesOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& strings = ctx->input(0);
+    const int64_t n = strings.NumElements();
+    const tstring* in = strings.flat<tstring>().data();
+    Tensor* lengths = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &lengths));
+    int64_t* len = lengths->flat<int64_t>().data();
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      len[i] = static_cast<int64_t>(in[i].size());
+      total += len[i];
+    }
+    Tensor* values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &values));
+    char* out = reinterpret_cast<char*>(values->flat<uint8_t>().data());
+    for (int64_t i = 0; i < n; ++i) {
+      if (len[i]) std::memcpy(out, in[i].data(), static_cast<size_t>(len[i]));
+      out += len[i];
+    }
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("YogastoreJoinBytes").Device(::tensorflow::DEVICE_CPU), JoinBytesOp);
 
 }  // namespace

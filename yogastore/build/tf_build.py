@@ -34,7 +34,8 @@ __all__ = ["dataset_items", "numpy_records"]
 # iterated 5-7x slower than ``batch(512)``).
 _FIRST_PASS_BATCH = 512
 _FIRST_PASS_BYTES = 8 << 20
-# Dense strings shorter than this on average reach the chunk writer joined (_pack_strings).
+# Without the library's TensorFlow kernel, dense strings shorter than this on average reach
+# the chunk writer joined (_pack_strings); with it, all of them do.
 _PACK_BELOW = 2048
 
 
@@ -158,18 +159,27 @@ def _packable(comp: ComponentSpec) -> bool:
 def _pack_strings(schema: Schema, packed: list[bool], element: Any) -> tuple[Any, ...]:
     """In tf.data: each packable string component as ``(bytes, lengths, strings)``.
 
-    When a batch's strings average less than ``_PACK_BELOW`` bytes, ``bytes`` holds them
-    one after another (row-major) and ``strings`` is empty, so the first pass takes them
-    without a Python object per string (a ``bytes`` each, and the chunk writer's
-    per-string work, were most of a text build's time). Longer strings come as they are
-    (``bytes`` empty): for them joining cost more than the objects (1 GB of 2-24 KiB
-    strings built about 0.6 s slower packed).
+    With the library's TensorFlow kernel (``tf_ops.join_bytes``), ``bytes`` holds the
+    strings one after another (row-major), each copied once, and ``strings`` is empty:
+    the first pass takes them without a Python object per string.
+
+    Without it, only strings averaging less than ``_PACK_BELOW`` bytes are joined
+    (``reduce_join``, then ``decode_raw``: two copies); longer ones come as they are
+    (``bytes`` empty, a Python ``bytes`` each): for them those copies cost more than the
+    objects (1 GB of 2-24 KiB strings built about 0.6 s slower packed that way).
     """
+    from yogastore.train import tf_ops
+
+    kernel = tf_ops.load() is not None
     leaves = schema.flatten(element)
     out: list[Any] = []
     for leaf, pack in zip(leaves, packed, strict=True):
         if not pack:
             out.append(leaf)
+            continue
+        if kernel:
+            data, lengths = tf_ops.join_bytes(leaf)
+            out += [data, lengths, tf.zeros([0], tf.string)]
             continue
         flat = tf.reshape(leaf, [-1])
         lengths = tf.cast(tf.strings.length(flat, unit="BYTE"), tf.int64)

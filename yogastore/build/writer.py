@@ -1,8 +1,9 @@
 """First pass: source records -> chunks -> backend, manifest last.
 
 The source is iterated in batches where the schema allows (every component a
-fixed-shape tensor) and record by record otherwise. Chunks are encoded on the
-calling thread and uploaded on a small pool so encoding and I/O overlap. The
+fixed-shape tensor) and record by record otherwise. Each chunk is encoded on a
+thread of its own (its copy and block digests run without the GIL) and put on
+a small pool, so reading the source, encoding and I/O overlap. The
 manifest is written with an exclusive put after every chunk landed: it is the
 commit point, so a build that dies at any moment leaves nothing readable.
 """
@@ -98,6 +99,7 @@ class _Uploader:
     def __init__(self, backend: Backend, workers: int, keep_bytes: int = 0) -> None:
         self.backend = backend
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="yoga-put")
+        self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="yoga-encode")
         self.pending: list[concurrent.futures.Future[None]] = []
         self.limit = 2 * workers
         self.reuse = bool(getattr(backend, "put_copies", False))
@@ -126,14 +128,64 @@ class _Uploader:
         while len(self.pending) > self.limit:
             self.pending.pop(0).result()
 
-    def _returned(self, buffer: bytearray, done: concurrent.futures.Future[None]) -> None:
-        # A failed put may still be reading its value (parts of an upload left running).
-        if done.cancelled() or done.exception() is not None:
-            return
+    def put_chunk(
+        self, builder: ChunkBuilder, key: str, first: int, where: str
+    ) -> concurrent.futures.Future[ChunkInfo]:
+        """Encode ``builder``'s records as chunk ``key`` and put it, both off this thread.
+
+        The chunk is encoded on a thread of its own (its copy and block digests run
+        without the GIL) while this thread reads the next records and the pool puts the
+        chunk before. The future gives the chunk's ``ChunkInfo`` once it is put.
+        """
+        encoded = self.encoder.submit(self._encode, builder, key, first, where)
+        future = self.pool.submit(self._put_encoded, encoded)
+        self.pending.append(future)  # type: ignore[arg-type]
+        while len(self.pending) > self.limit:
+            self.pending.pop(0).result()
+        return future
+
+    def _encode(
+        self, builder: ChunkBuilder, key: str, first: int, where: str
+    ) -> tuple[ChunkInfo, memoryview]:
+        data = memoryview(builder.encode(self.buffer if self.reuse else None))
+        index_bytes = int(parse_header(data, len(data), where)["index_end"])
+        info = ChunkInfo(
+            key=key,
+            first=first,
+            count=builder.count,
+            nbytes=len(data),
+            index_bytes=index_bytes,
+            checksum=checksum(data),
+            index_checksum=checksum(data[:index_bytes]),
+        )
+        return info, data
+
+    def _put_encoded(
+        self, encoded: concurrent.futures.Future[tuple[ChunkInfo, memoryview]]
+    ) -> ChunkInfo:
+        info, data = encoded.result()
+        self.backend.put(info.key, data)
+        buffer = data.obj
+        if self.reuse and isinstance(buffer, bytearray) and len(buffer) <= self.keep_bytes:
+            self._keep(buffer)
+        return info
+
+    def _keep(self, buffer: bytearray) -> None:
         with self._lock:
             self._free.append(buffer)
             if len(self._free) > self.limit + 1:  # drop the smallest (by position, not ==)
                 self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
+
+    def _returned(self, buffer: bytearray, done: concurrent.futures.Future[None]) -> None:
+        # A failed put may still be reading its value (parts of an upload left running).
+        if done.cancelled() or done.exception() is not None:
+            return
+        self._keep(buffer)
+
+    def wait(self) -> None:
+        """Wait for every chunk and put submitted; raise the first failure."""
+        for fut in self.pending:
+            fut.result()
 
     def finish(self) -> None:
         """Wait for every put; then drop the futures and the kept buffers."""
@@ -141,6 +193,7 @@ class _Uploader:
             for fut in self.pending:
                 fut.result()
         finally:
+            self.encoder.shutdown(wait=True, cancel_futures=True)
             self.pool.shutdown(wait=True, cancel_futures=True)
             # The futures' callbacks refer to the uploader: without this, the buffers
             # would live until the garbage collector found the cycle.
@@ -185,7 +238,7 @@ def write_chunks(
     """
     where = key_prefix.rsplit("/", 1)[0] + "/"
     columns: list[ColumnSpec] = [c for comp in schema.components for c in columns_for(comp)]
-    chunks: list[ChunkInfo] = []
+    chunks: list[concurrent.futures.Future[ChunkInfo]] = []
     # Chunk buffers are kept for reuse up to twice the chunk size (most chunks end within
     # a record of it); a larger chunk's buffer is freed once put.
     uploader = _Uploader(backend, upload_workers, keep_bytes=2 * chunk_bytes + (64 << 10))
@@ -195,26 +248,14 @@ def write_chunks(
     lines = progress if isinstance(progress, LineProgress) else None
 
     def flush() -> None:
+        # The chunk is encoded and put on the uploader's pool, while the next records are read.
         nonlocal builder, first, written
         if builder.count == 0:
             return
-        data = memoryview(builder.encode(uploader.buffer if uploader.reuse else None))
-        index_bytes = int(parse_header(data, len(data), where)["index_end"])
         key = f"{key_prefix}{len(chunks):06d}"
-        chunks.append(
-            ChunkInfo(
-                key=key,
-                first=first,
-                count=builder.count,
-                nbytes=len(data),
-                index_bytes=index_bytes,
-                checksum=checksum(data),
-                index_checksum=checksum(memoryview(data)[:index_bytes]),
-            )
-        )
+        chunks.append(uploader.put_chunk(builder, key, first, where))
         first += builder.count
-        uploader.put(key, data)
-        written += len(data)
+        written += builder.nbytes
         builder = ChunkBuilder(columns)
 
     def report(n: int) -> None:
@@ -258,12 +299,14 @@ def write_chunks(
                 if builder.nbytes >= chunk_bytes:
                     flush()
         flush()
+        uploader.wait()
+        table = tuple(f.result() for f in chunks)
         if lines is not None:
-            lines.set_bytes(written)
+            lines.set_bytes(sum(c.nbytes for c in table))
     finally:
         uploader.finish()
         progress.close()
-    return ChunkTable(tuple(chunks), first)
+    return ChunkTable(table, first)
 
 
 def creation_info(chunk_bytes: int, **extra: Any) -> dict[str, Any]:

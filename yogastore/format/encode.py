@@ -14,6 +14,11 @@ from storage_backends.errors import UnsupportedElementError
 from yogastore.format.blocks import block_size, digest_blocks
 from yogastore.format.layout import I64, MAGIC, PREFIX, ColumnSpec, align
 
+try:
+    from yogastore import _gather
+except ImportError:  # not compiled: chunks are copied piece by piece in Python
+    _gather = None  # type: ignore[assignment]
+
 __all__ = ["ChunkBuilder", "PackedStrings", "Region", "Slab", "encode_chunk", "strings_as_bytes"]
 
 
@@ -391,16 +396,20 @@ def strings_as_bytes(value: list[Any] | tuple[Any, ...]) -> list[Any]:
 Region = np.ndarray | bytes | list[np.ndarray] | list[np.ndarray | bytes]
 
 
-def _pieces(buf: Region) -> list[memoryview]:
+def _pieces(buf: Region) -> list[bytes | memoryview]:
+    """The region's parts as ``bytes`` and one-dimensional views of bytes."""
     arrays = buf if isinstance(buf, list) else [buf]
-    out = []
+    out: list[bytes | memoryview] = []
     for a in arrays:
+        if isinstance(a, bytes):
+            out.append(a)
+            continue
         if isinstance(a, np.ndarray):
             # As raw bytes: some dtypes (bfloat16) have no buffer-protocol format.
             view = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
         else:
             view = memoryview(a)
-        out.append(view.cast("B") if view.nbytes else memoryview(b""))
+        out.append(view.cast("B") if view.nbytes else b"")
     return out
 
 
@@ -443,7 +452,7 @@ def encode_chunk(
     """
     ordered = [r for r in regions if r[0] != "data"] + [r for r in regions if r[0] == "data"]
     contents = [_pieces(buf) for _k, _c, buf in ordered]
-    sizes = [sum(v.nbytes for v in views) for views in contents]
+    sizes = [sum(map(len, views)) for views in contents]
     data = [
         (i, col, size)
         for i, ((kind, col, _b), size) in enumerate(zip(ordered, sizes, strict=True))
@@ -498,7 +507,12 @@ def encode_chunk(
         pieces.extend(views)
         end = start + size
     pieces.append(bytes(pos - end))
-    chunk = bytearray().join(pieces) if into is None else _copy_pieces(pieces, into(pos), pos)
+    if into is not None:
+        chunk: bytearray | memoryview = _copy_pieces(pieces, into(pos), pos)
+    elif _gather is not None:  # copied without the GIL (_copy_pieces)
+        chunk = _copy_pieces(pieces, bytearray(pos), pos).obj  # type: ignore[assignment]
+    else:
+        chunk = bytearray().join(pieces)
     with memoryview(chunk) as view:
         table = digest_blocks([view[base:pos]], block)
         view[table_at : table_at + table_bytes] = table.data.cast("B")
@@ -518,6 +532,11 @@ def _copy_pieces(
             f"chunk buffer of {len(buffer)} bytes is smaller than the chunk ({length})"
         )
     view = memoryview(buffer)[:length]
+    if _gather is not None:  # one call, without the GIL
+        at = _gather.join_into(view, pieces)
+        if at != length:
+            raise AssertionError(f"chunk pieces hold {at} bytes, the layout {length}")
+        return view
     at = 0
     for piece in pieces:
         n = len(piece)  # bytes, or a one-dimensional view of bytes (_pieces)

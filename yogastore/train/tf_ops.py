@@ -10,6 +10,10 @@ into its tensor, beside the reading thread instead of on it. Without the
 kernel ``to_tf_dataset`` hands strings over as numpy object arrays, with the
 same results.
 
+``YogastoreJoinBytes`` goes the other way for a cache build: a batch of
+strings becomes their bytes one after another plus their lengths, copied once
+in a ``tf.data`` thread, so the first pass takes the batch as two arrays.
+
 The kernel is compiled against the installed TensorFlow's headers (a C++
 compiler is needed; ``make demo`` and ``make test`` build it)::
 
@@ -35,7 +39,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["build", "gather_bytes", "library_path", "load"]
+__all__ = ["build", "gather_bytes", "join_bytes", "library_path", "load"]
 
 _SOURCE = Path(__file__).resolve().parent.parent / "_tfops.cc"
 _lock = threading.Lock()
@@ -133,6 +137,21 @@ def gather_bytes(
         )
     guard = tf.cast(file_guard, tf.int64)
     return ops.yogastore_gather_bytes(values, starts, lengths, file, guard)
+
+
+def join_bytes(strings: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """Return the bytes of ``strings`` (row-major) one after another, and their lengths.
+
+    Raises:
+        RuntimeError: the kernel is not built or switched off.
+    """
+    ops = load()
+    if ops is None:
+        raise RuntimeError(
+            "the yogastore TensorFlow kernel is not built: run python -m yogastore.train.tf_ops"
+        )
+    values, lengths = ops.yogastore_join_bytes(strings)
+    return values, lengths
 
 
 if __name__ == "__main__":
