@@ -40,6 +40,7 @@ import dataclasses
 import itertools
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -62,7 +63,15 @@ from benchmarks._common import (
 
 DATASET = "bench"
 SHUFFLE_BUFFER = 10000
-BUILD_PAIRS = 5  # builds, each beside a plain write, per build row (at least)
+#: Builds, each beside a plain write, per build row (at least; always an even number, so that
+#: as many builds go before their write as after it).
+BUILD_PAIRS = 6
+
+
+def build_pairs(repeats: int) -> int:
+    """Pairs of a build row: ``BUILD_PAIRS`` or ``repeats``, rounded up to an even number."""
+    n = max(repeats, BUILD_PAIRS)
+    return n + n % 2
 
 
 @dataclasses.dataclass
@@ -769,9 +778,12 @@ def build_rows(
     thin-provisioned disk (a cloud VM's) a block written for the first time costs
     several times a rewrite, and whether a new file gets such blocks or ones freed
     before is up to the file system, for the build and the write alike (a pair can
-    still split). Both files of a pair are deleted before the next pair. The ratio is
-    the median over the pairs of build / (median iteration + that pair's write); the
-    row's note gives the medians of the builds and writes on their own. (g3) keeps all
+    still split). Both files of a pair are deleted before the next pair. The order
+    matters too: on this benchmark's machine a build right after a write used more CPU
+    than one before it. So there is an even number of pairs (``build_pairs``), half of
+    each order. The ratio is the median over the pairs (the mean of the middle two) of
+    build / (median iteration + that pair's write); the row's note gives the medians of
+    the builds and writes on their own. (g3) keeps all
     its files until its runs end, so it is not comparable with the paired writes.
     """
     from benchmarks._methods import payload_block, write_floor_file
@@ -803,7 +815,7 @@ def build_rows(
 
         it_s, it_all, counted = _sync_timed(iterate, case.repeats)
         writes, builds, counts = [], [], []
-        for i in range(max(case.repeats, BUILD_PAIRS)):
+        for i in range(build_pairs(case.repeats)):
             path, name = ctx.work / f"write-{key}-{i}.bin", f"build-{key}-{i}"
             discard(name, path)  # left by an interrupted run: a cache hit is no build
             try:
@@ -820,9 +832,8 @@ def build_rows(
                 discard(name, path)
         built = min(counts, default=0)
         ok = counted == case.records and all(c == case.records for c in counts)
-        mid = len(builds) // 2
-        build_s, write_s = sorted(builds)[mid], sorted(writes)[mid]
-        pairs = sorted(b / (it_s + w) for b, w in zip(builds, writes, strict=True))
+        build_s, write_s = statistics.median(builds), statistics.median(writes)
+        pairs = [b / (it_s + w) for b, w in zip(builds, writes, strict=True)]
         rows.append(
             _row(
                 key,
@@ -837,7 +848,7 @@ def build_rows(
                 write_seconds=write_s,
                 write_all=writes,
                 ratio=build_s / it_s if it_s > 0 else math.inf,
-                ratio_with_write=pairs[mid],
+                ratio_with_write=statistics.median(pairs),
                 runs_ok=ok,
                 verified={"ok": ok, "records": built, "expected_records": case.records},
                 note=f"build {build_s:.2f}s, iterate {it_s:.2f}s, write {write_s:.2f}s "
