@@ -172,20 +172,30 @@ def test_the_buffer_of_a_failed_put_is_not_handed_out_again() -> None:
                 raise StorageError(errno.EIO, "put failed")
             super()._put(key, data)
 
-    uploader = writer._Uploader(Failing(f"mem://{uuid.uuid4().hex}"), 1, keep_bytes=1 << 20)
+    backend = Failing(f"mem://{uuid.uuid4().hex}")
+    uploader = writer._Uploader(backend, 1, keep_bytes=1 << 20)
+    handed: list[bytearray] = []
+    buffer = uploader.buffer
+
+    def noted(length: int) -> bytearray:
+        handed.append(buffer(length))
+        return handed[-1]
+
+    uploader.buffer = noted  # type: ignore[method-assign]
     try:
-        bad = uploader.buffer(100)
-        uploader.put("d/1/bad", memoryview(bad)[:100])
+        failed = uploader.put_chunk(_builder(1, 3), "d/1/c-x-bad", 0, "d/1/")
         with pytest.raises(StorageError, match="put failed"):
-            uploader.pending[-1].result()
-        good = uploader.buffer(100)
-        assert good is not bad
-        uploader.put("d/1/good", memoryview(good)[:100])
-        uploader.pending[-1].result()
-        again = [uploader.buffer(100) for _ in range(3)]
+            failed.result()
+        done = uploader.put_chunk(_builder(2, 3), "d/1/c-x-good", 3, "d/1/")
+        info = done.result()
+        assert (info.key, info.first, info.count) == ("d/1/c-x-good", 3, 3)
+        assert backend.get("d/1/c-x-good") == bytes(_builder(2, 3).encode())
+        bad, good = handed
+        again = [buffer(len(good)) for _ in range(3)]
     finally:
         with pytest.raises(StorageError, match="put failed"):
             uploader.finish()
+    assert good is not bad
     assert any(b is good for b in again)
     assert not any(b is bad for b in again)
 
@@ -203,17 +213,19 @@ def test_a_local_build_of_chunks_of_every_size_reads_back(tmp_path: Path) -> Non
 
 
 def test_the_smallest_fitting_buffer_is_handed_out_and_oversized_ones_are_not_kept() -> None:
-    uploader = writer._Uploader(MemoryBackend(f"mem://{uuid.uuid4().hex}"), 2, keep_bytes=4096)
+    uploader = writer._Uploader(MemoryBackend(f"mem://{uuid.uuid4().hex}"), 2, keep_bytes=40960)
     try:
-        given = [bytearray(n) for n in (3000, 9000, 1000, 2000)]
-        for i, buf in enumerate(given):
-            uploader.put(f"d/1/k{i}", memoryview(buf)[:10])
-        for future in uploader.pending:
-            future.result()
-        assert sorted(map(len, uploader._free)) == [1000, 2000, 3000]  # not the 9000
-        assert uploader.buffer(1500) is given[3]
-        assert uploader.buffer(1500) is given[0]
-        assert len(uploader.buffer(1500)) == 1500 + 1500 // 8  # a new one: 1000 is too small
+        given = [bytearray(n) for n in (30000, 90000, 10000, 20000)]  # chunks of about 6 KB
+        handed = iter(given)
+        uploader.buffer = lambda length: next(handed)  # type: ignore[method-assign]
+        for i in range(len(given)):
+            uploader.put_chunk(_builder(i, 1), f"d/1/c-x-{i}", i, "d/1/")
+        uploader.wait()
+        del uploader.buffer
+        assert sorted(map(len, uploader._free)) == [10000, 20000, 30000]  # not the 90000
+        assert uploader.buffer(15000) is given[3]
+        assert uploader.buffer(15000) is given[0]
+        assert len(uploader.buffer(15000)) == 15000 + 15000 // 8  # new: 10000 is too small
     finally:
         uploader.finish()
     assert uploader.pending == [] and uploader._free == []

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import os
 import socket
@@ -86,7 +85,7 @@ def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[Sour
 
 
 class _Uploader:
-    """Puts chunks on a thread pool, keeping a bounded number in flight.
+    """Encodes chunks on a thread and puts them on a pool, keeping a bounded number in flight.
 
     For a backend that is done with a value when its put returns
     (``Backend.put_copies``), the buffers of chunks put are handed out again
@@ -100,7 +99,7 @@ class _Uploader:
         self.backend = backend
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="yoga-put")
         self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="yoga-encode")
-        self.pending: list[concurrent.futures.Future[None]] = []
+        self.pending: list[concurrent.futures.Future[ChunkInfo]] = []
         self.limit = 2 * workers
         self.reuse = bool(getattr(backend, "put_copies", False))
         # Buffers of chunks larger than this (a record larger than a chunk) are not kept.
@@ -118,16 +117,6 @@ class _Uploader:
         # that reaches its size), so that buffers fit again.
         return bytearray(length + length // 8)
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        """Put ``data`` on the pool; a view of a ``buffer`` is kept for reuse once put."""
-        future = self.pool.submit(self.backend.put, key, data)
-        buffer = data.obj if isinstance(data, memoryview) else None
-        if self.reuse and isinstance(buffer, bytearray) and len(buffer) <= self.keep_bytes:
-            future.add_done_callback(functools.partial(self._returned, buffer))
-        self.pending.append(future)
-        while len(self.pending) > self.limit:
-            self.pending.pop(0).result()
-
     def put_chunk(
         self, builder: ChunkBuilder, key: str, first: int, where: str
     ) -> concurrent.futures.Future[ChunkInfo]:
@@ -139,7 +128,7 @@ class _Uploader:
         """
         encoded = self.encoder.submit(self._encode, builder, key, first, where)
         future = self.pool.submit(self._put_encoded, encoded)
-        self.pending.append(future)  # type: ignore[arg-type]
+        self.pending.append(future)
         while len(self.pending) > self.limit:
             self.pending.pop(0).result()
         return future
@@ -176,12 +165,6 @@ class _Uploader:
             if len(self._free) > self.limit + 1:  # drop the smallest (by position, not ==)
                 self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
-    def _returned(self, buffer: bytearray, done: concurrent.futures.Future[None]) -> None:
-        # A failed put may still be reading its value (parts of an upload left running).
-        if done.cancelled() or done.exception() is not None:
-            return
-        self._keep(buffer)
-
     def wait(self) -> None:
         """Wait for every chunk and put submitted; raise the first failure."""
         for fut in self.pending:
@@ -195,8 +178,8 @@ class _Uploader:
         finally:
             self.encoder.shutdown(wait=True, cancel_futures=True)
             self.pool.shutdown(wait=True, cancel_futures=True)
-            # The futures' callbacks refer to the uploader: without this, the buffers
-            # would live until the garbage collector found the cycle.
+            # The futures hold the chunks' tables and views of the buffers: without this,
+            # they would live as long as the uploader.
             self.pending.clear()
             with self._lock:
                 self._free.clear()
