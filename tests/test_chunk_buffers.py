@@ -183,18 +183,17 @@ def test_the_buffer_of_a_failed_put_is_not_handed_out_again() -> None:
 
     uploader.buffer = noted  # type: ignore[method-assign]
     try:
-        failed = uploader.put_chunk(_builder(1, 3), "d/1/c-x-bad", 0, "d/1/")
-        with pytest.raises(StorageError, match="put failed"):
-            failed.result()
-        done = uploader.put_chunk(_builder(2, 3), "d/1/c-x-good", 3, "d/1/")
-        info = done.result()
+        with pytest.raises(StorageError, match="put failed"):  # from either: it may be done
+            uploader.put_chunk(_builder(1, 3), "d/1/c-x-bad", 0, "d/1/")
+            uploader.wait()
+        uploader.put_chunk(_builder(2, 3), "d/1/c-x-good", 3, "d/1/")
+        (info,) = uploader.wait()
         assert (info.key, info.first, info.count) == ("d/1/c-x-good", 3, 3)
         assert backend.get("d/1/c-x-good") == bytes(_builder(2, 3).encode())
         bad, good = handed
         again = [buffer(len(good)) for _ in range(3)]
     finally:
-        with pytest.raises(StorageError, match="put failed"):
-            uploader.finish()
+        uploader.finish()
     assert good is not bad
     assert any(b is good for b in again)
     assert not any(b is bad for b in again)
@@ -300,3 +299,39 @@ def test_a_chunk_that_fails_to_encode_fails_the_build_and_leaves_nothing(
     ref = store.cache("d", "1", lambda: records, spec=SPEC, progress=yogastore.NullProgress())
     assert len(ref.manifest.chunks) > 10
     _check(ref, records)
+
+
+def test_builders_waiting_for_the_encoder_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow encoder holds the reading thread back, however many put threads there are: a
+    builder of small records holds many times its chunk's bytes."""
+    import threading
+    import time
+
+    waiting = [0, 0]  # builders handed over and not yet encoded; the most at once
+    lock = threading.Lock()
+    original = ChunkBuilder.encode
+
+    def slow(self: ChunkBuilder, into: object = None) -> object:
+        time.sleep(0.01)
+        try:
+            return original(self, into)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                waiting[0] -= 1
+
+    monkeypatch.setattr(ChunkBuilder, "encode", slow)
+    backend = MemoryBackend(f"mem://{uuid.uuid4().hex}")
+    uploader = writer._Uploader(backend, 8, keep_bytes=1 << 20)
+    try:
+        for i in range(30):
+            with lock:
+                waiting[0] += 1
+                waiting[1] = max(waiting)
+            uploader.put_chunk(_builder(i, 2), f"d/1/c-x-{i:06d}", 2 * i, "d/1/")
+        infos = uploader.wait()
+    finally:
+        uploader.finish()
+    assert waiting[1] <= writer._ENCODING + 1  # those queued, and the one just handed over
+    assert [(c.key, c.first) for c in infos] == [(f"d/1/c-x-{i:06d}", 2 * i) for i in range(30)]
+    for i, info in enumerate(infos):
+        assert backend.get(info.key) == bytes(original(_builder(i, 2)))

@@ -84,6 +84,10 @@ def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[Sour
         yield "record", values
 
 
+#: Builders handed to the encoding thread and not yet encoded, at most.
+_ENCODING = 2
+
+
 class _Uploader:
     """Encodes chunks on a thread and puts them on a pool, keeping a bounded number in flight.
 
@@ -99,7 +103,9 @@ class _Uploader:
         self.backend = backend
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="yoga-put")
         self.encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="yoga-encode")
-        self.pending: list[concurrent.futures.Future[ChunkInfo]] = []
+        self.pending: list[concurrent.futures.Future[ChunkInfo]] = []  # puts, in order
+        self._encoding: list[concurrent.futures.Future[Any]] = []  # encodes, in order
+        self.done: list[ChunkInfo] = []  # the tables of the chunks put, in order
         self.limit = 2 * workers
         self.reuse = bool(getattr(backend, "put_copies", False))
         # Buffers of chunks larger than this (a record larger than a chunk) are not kept.
@@ -117,21 +123,23 @@ class _Uploader:
         # that reaches its size), so that buffers fit again.
         return bytearray(length + length // 8)
 
-    def put_chunk(
-        self, builder: ChunkBuilder, key: str, first: int, where: str
-    ) -> concurrent.futures.Future[ChunkInfo]:
+    def put_chunk(self, builder: ChunkBuilder, key: str, first: int, where: str) -> None:
         """Encode ``builder``'s records as chunk ``key`` and put it, both off this thread.
 
-        The chunk is encoded on a thread of its own (its copy and block digests run
-        without the GIL) while this thread reads the next records and the pool puts the
-        chunk before. The future gives the chunk's ``ChunkInfo`` once it is put.
+        Chunks are encoded one after another on the encoding thread (their copy and
+        block digests run without the GIL) while this thread reads the next records and
+        the pool puts the chunks before. At most ``_ENCODING`` builders wait for that
+        thread (a builder of small records holds many times its chunk's bytes) and
+        ``limit`` chunks for the pool: past either, this waits. The chunks' tables
+        collect in ``done``, in the order they were given.
         """
+        while len(self._encoding) >= _ENCODING:
+            self._encoding.pop(0).result()
         encoded = self.encoder.submit(self._encode, builder, key, first, where)
-        future = self.pool.submit(self._put_encoded, encoded)
-        self.pending.append(future)
-        while len(self.pending) > self.limit:
-            self.pending.pop(0).result()
-        return future
+        self._encoding.append(encoded)
+        self.pending.append(self.pool.submit(self._put_encoded, encoded))
+        while len(self.pending) > self.limit or (self.pending and self.pending[0].done()):
+            self.done.append(self.pending.pop(0).result())
 
     def _encode(
         self, builder: ChunkBuilder, key: str, first: int, where: str
@@ -165,10 +173,12 @@ class _Uploader:
             if len(self._free) > self.limit + 1:  # drop the smallest (by position, not ==)
                 self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
-    def wait(self) -> None:
-        """Wait for every chunk and put submitted; raise the first failure."""
-        for fut in self.pending:
-            fut.result()
+    def wait(self) -> list[ChunkInfo]:
+        """Wait for every chunk given; return their tables in order (raise the first failure)."""
+        while self.pending:
+            self.done.append(self.pending.pop(0).result())
+        self._encoding.clear()
+        return self.done
 
     def finish(self) -> None:
         """Wait for every put; then drop the futures and the kept buffers."""
@@ -181,6 +191,7 @@ class _Uploader:
             # The futures hold the chunks' tables and views of the buffers: without this,
             # they would live as long as the uploader.
             self.pending.clear()
+            self._encoding.clear()
             with self._lock:
                 self._free.clear()
 
@@ -221,22 +232,23 @@ def write_chunks(
     """
     where = key_prefix.rsplit("/", 1)[0] + "/"
     columns: list[ColumnSpec] = [c for comp in schema.components for c in columns_for(comp)]
-    chunks: list[concurrent.futures.Future[ChunkInfo]] = []
     # Chunk buffers are kept for reuse up to twice the chunk size (most chunks end within
     # a record of it); a larger chunk's buffer is freed once put.
     uploader = _Uploader(backend, upload_workers, keep_bytes=2 * chunk_bytes + (64 << 10))
     builder = ChunkBuilder(columns)
     first = 0
+    count = 0  # chunks given to the uploader
     written = 0
     lines = progress if isinstance(progress, LineProgress) else None
 
     def flush() -> None:
         # The chunk is encoded and put on the uploader's pool, while the next records are read.
-        nonlocal builder, first, written
+        nonlocal builder, first, count, written
         if builder.count == 0:
             return
-        key = f"{key_prefix}{len(chunks):06d}"
-        chunks.append(uploader.put_chunk(builder, key, first, where))
+        key = f"{key_prefix}{count:06d}"
+        uploader.put_chunk(builder, key, first, where)
+        count += 1
         first += builder.count
         written += builder.nbytes
         builder = ChunkBuilder(columns)
@@ -282,8 +294,7 @@ def write_chunks(
                 if builder.nbytes >= chunk_bytes:
                     flush()
         flush()
-        uploader.wait()
-        table = tuple(f.result() for f in chunks)
+        table = tuple(uploader.wait())
         if lines is not None:
             lines.set_bytes(sum(c.nbytes for c in table))
     finally:
