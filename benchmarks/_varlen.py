@@ -779,11 +779,11 @@ def build_rows(
     several times a rewrite, and whether a new file gets such blocks or ones freed
     before is up to the file system, for the build and the write alike (a pair can
     still split). Both files of a pair are deleted before the next pair. The order
-    matters too: on this benchmark's machine a build right after a write used more CPU
-    than one before it. So there is an even number of pairs (``build_pairs``), half of
-    each order. The ratio is the median over the pairs (the mean of the middle two) of
-    build / (median iteration + that pair's write); the row's note gives the medians of
-    the builds and writes on their own. (g3) keeps all
+    matters too: on this benchmark's machine a build right after a write often took
+    longer than one right before it. So there is an even number of pairs (``build_pairs``), half of
+    each order. The ratio is the mean of the two orders' medians of build / (median
+    iteration + that pair's write), each order's also given; the row's note gives the
+    medians of the builds and writes on their own. (g3) keeps all
     its files until its runs end, so it is not comparable with the paired writes.
     """
     from benchmarks._methods import payload_block, write_floor_file
@@ -834,6 +834,8 @@ def build_rows(
         ok = counted == case.records and all(c == case.records for c in counts)
         build_s, write_s = statistics.median(builds), statistics.median(writes)
         pairs = [b / (it_s + w) for b, w in zip(builds, writes, strict=True)]
+        # Pair i went write first when i is even (above): each order's median, then their mean.
+        write_first, build_first = statistics.median(pairs[0::2]), statistics.median(pairs[1::2])
         rows.append(
             _row(
                 key,
@@ -848,11 +850,15 @@ def build_rows(
                 write_seconds=write_s,
                 write_all=writes,
                 ratio=build_s / it_s if it_s > 0 else math.inf,
-                ratio_with_write=statistics.median(pairs),
+                ratio_with_write=(write_first + build_first) / 2,
+                ratio_write_first=write_first,
+                ratio_build_first=build_first,
                 runs_ok=ok,
                 verified={"ok": ok, "records": built, "expected_records": case.records},
                 note=f"build {build_s:.2f}s, iterate {it_s:.2f}s, write {write_s:.2f}s "
-                "(medians; each build beside a write of its own)",
+                f"(medians; each build beside a write of its own); build / (iteration + "
+                f"write) {write_first:.2f} with the write first, {build_first:.2f} with the "
+                "build first",
             )
         )
     rows.append(floor)
