@@ -1,9 +1,10 @@
 """First pass: source records -> chunks -> backend, manifest last.
 
 The source is iterated in batches where the schema allows (every component a
-fixed-shape tensor) and record by record otherwise. Each chunk is encoded on a
-thread of its own (its copy and block digests run without the GIL) and put on
-a small pool, so reading the source, encoding and I/O overlap. The
+fixed-shape tensor) and record by record otherwise. The chunks are encoded one
+after another on an encoding thread (their copy and block digests run without
+the GIL) and put on a small pool, so reading the source, encoding and I/O
+overlap. The
 manifest is written with an exclusive put after every chunk landed: it is the
 commit point, so a build that dies at any moment leaves nothing readable.
 """
