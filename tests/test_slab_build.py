@@ -419,3 +419,31 @@ def test_strings_of_a_shaped_component_given_as_bytearrays_are_strings(tmp_path:
             return v.encode() if isinstance(v, str) else bytes(v)  # type: ignore[call-overload]
 
         assert got == [want(v) for v in values], shape
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+@pytest.mark.parametrize(("real", "said"), [(1, 2), (3, 2)])
+def test_strings_whose_shape_is_not_the_element_spec_are_refused_not_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str, real: int, said: int
+) -> None:
+    """``tf.py_function`` plus ``set_shape`` can claim any shape; strings joined in tf.data
+    are checked against it, or records would be cut from the wrong strings (and lost)."""
+    monkeypatch.setenv("YOGASTORE_TF_OPS", kernel)
+
+    def strings(i: Any) -> np.ndarray:
+        return np.array([b"%d:%d" % (int(i), j) for j in range(real)], dtype=object)
+
+    def element(i: Any) -> dict[str, Any]:
+        s = tf.py_function(strings, [i], tf.string)
+        s.set_shape([said])
+        return {"s": s, "i": i}
+
+    store = yogastore.Store(tmp_path)
+    with pytest.raises(UnsupportedElementError, match=rf"'s'.*shape \({real},\).*says \({said},\)"):
+        store.cache(
+            "lie",
+            "1",
+            lambda: tf.data.Dataset.range(1000).map(element),
+            progress=yogastore.NullProgress(),
+        )
+    assert store.versions() == []

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from storage_backends.errors import UnsupportedElementError
 from yogastore.format.encode import PackedStrings, Slab
 from yogastore.format.layout import columns_for
 from yogastore.read.stream import splittable
@@ -113,19 +114,25 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
-    for batch in batched.prefetch(2):
-        # Packed batches come as a flat tuple: the schema's leaves, three per packable one.
+    for at, batch in enumerate(batched.prefetch(2)):
+        # Packed batches come as a flat tuple: the schema's leaves, four per packable one.
         leaves = iter(batch) if packing else iter(schema.flatten(_plain(batch)))
         n = 0
+        counts: list[int] = []  # records of each component
         data: list[Any] = []
-        for comp, col, pack in zip(schema.components, columns, packed, strict=True):
+        for comp, col, pack, path in zip(
+            schema.components, columns, packed, schema.paths, strict=True
+        ):
             if pack:  # dense strings: bytes + lengths, or the strings (see _pack_strings)
-                joined, lengths, listed = next(leaves), next(leaves), next(leaves)
+                joined, lengths, listed, shape = (next(leaves) for _ in range(4))
+                dims = tuple(int(d) for d in shape.numpy())
+                _check_packed_shape(comp, path, dims, at)
                 strings: Any = listed.numpy()
                 if len(strings) != len(lengths):
                     # np.asarray shares the tensor's memory (read-only); .numpy() would copy.
                     strings = PackedStrings.of(np.asarray(joined), lengths.numpy())
-                n = len(strings) // math.prod(d or 0 for d in comp.shape)
+                n = dims[0]
+                counts.append(n)
                 shapes = np.broadcast_to(np.asarray(comp.shape, np.int64), (n, col.ndim))
                 data.append((shapes, strings))
                 continue
@@ -148,7 +155,27 @@ def _records_of_batches(ds: tf.data.Dataset, schema: Schema) -> Iterator[tuple[s
                 shapes[:, 0] = np.diff(splits)
                 shapes[:, 1:] = flat.shape[1:]
                 data.append((shapes, flat))
+            counts.append(n)
+        if len(set(counts)) > 1:  # a component whose values lied about their shape
+            sizes = ", ".join(f"{p!r}: {c}" for p, c in zip(schema.paths, counts, strict=True))
+            raise UnsupportedElementError(
+                f"batch {at} of the first pass: components hold different numbers of records "
+                f"({sizes}); a value's shape differs from the source's element_spec"
+            )
         yield "slab", [Slab(n, tuple(data))]
+
+
+def _check_packed_shape(comp: ComponentSpec, path: str, shape: tuple[int, ...], at: int) -> None:
+    """Refuse a batch of strings whose values do not have the shape the element_spec gives.
+
+    The strings are joined in tf.data, where nothing else checks it (``tf.py_function``
+    with ``set_shape`` can claim any shape): records would be cut wrongly, or lost.
+    """
+    if shape[1:] != tuple(comp.shape):
+        raise UnsupportedElementError(
+            f"component {path!r}: batch {at} of the first pass holds values of shape "
+            f"{shape[1:]}, but the source's element_spec says {tuple(comp.shape)}"
+        )
 
 
 def _packable(comp: ComponentSpec) -> bool:
@@ -157,7 +184,7 @@ def _packable(comp: ComponentSpec) -> bool:
 
 
 def _pack_strings(schema: Schema, packed: list[bool], element: Any) -> tuple[Any, ...]:
-    """In tf.data: each packable string component as ``(bytes, lengths, strings)``.
+    """In tf.data: each packable string component as ``(bytes, lengths, strings, shape)``.
 
     With the library's TensorFlow kernel (``tf_ops.join_bytes``), ``bytes`` holds the
     strings one after another (row-major), each copied once, and ``strings`` is empty:
@@ -177,9 +204,10 @@ def _pack_strings(schema: Schema, packed: list[bool], element: Any) -> tuple[Any
         if not pack:
             out.append(leaf)
             continue
+        shape = tf.shape(leaf, out_type=tf.int64)  # as the values are, checked against the spec
         if kernel:
             data, lengths = tf_ops.join_bytes(leaf)
-            out += [data, lengths, tf.zeros([0], tf.string)]
+            out += [data, lengths, tf.zeros([0], tf.string), shape]
             continue
         flat = tf.reshape(leaf, [-1])
         lengths = tf.cast(tf.strings.length(flat, unit="BYTE"), tf.int64)
@@ -192,7 +220,7 @@ def _pack_strings(schema: Schema, packed: list[bool], element: Any) -> tuple[Any
             ),
             lambda flat=flat: (tf.zeros([0], tf.uint8), flat),
         )
-        out += [data, lengths, strings]
+        out += [data, lengths, strings, shape]
     return tuple(out)
 
 
