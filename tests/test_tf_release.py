@@ -111,3 +111,26 @@ def test_a_delete_frees_the_file_a_released_dataset_read(tmp_path: Path) -> None
     with open("/proc/self/maps") as maps:
         deleted = [line for line in maps if str(tmp_path) in line and "(deleted)" in line]
     assert deleted == []  # no view kept for the next source pins the deleted file
+
+
+def test_block_memos_go_with_deleted_and_rebuilt_versions(tmp_path: Path) -> None:
+    """A process that builds, reads and deletes versions in a loop does not keep their memos."""
+    from yogastore.read import verified
+
+    store = y.Store(tmp_path, chunk_bytes=4096)
+    values = np.arange(2000, dtype=np.int64)
+
+    def read(name: str) -> int:
+        ref = store.cache(name, "1", lambda: tf.data.Dataset.from_tensor_slices(values))
+        return sum(int(v) for v in ref.stream(shuffle=False))
+
+    before = len(verified._MEMOS)
+    for i in range(6):
+        assert read(f"d{i}") == int(values.sum())
+        store.delete(f"d{i}", "1")
+    assert len(verified._MEMOS) == before
+    for _ in range(4):  # rebuilt in place: the memo of the build before goes
+        ref = store.cache("same", "1", lambda: tf.data.Dataset.from_tensor_slices(values))
+        assert sum(int(v) for v in ref.stream(shuffle=False)) == int(values.sum())
+        store.cache("same", "1", lambda: tf.data.Dataset.from_tensor_slices(values), rebuild=True)
+    assert len(verified._MEMOS) <= before + 1

@@ -48,6 +48,7 @@ from yogastore.read.order import Shuffle
 from yogastore.read.read_options import ReadOptions
 from yogastore.read.reader import ChunkSource, LocalChunkSource, verify_chunk
 from yogastore.read.stream import Stream, StreamState
+from yogastore.read.verified import forget_memos
 from yogastore.spec import ComponentSpec, Schema
 
 if TYPE_CHECKING:
@@ -125,10 +126,14 @@ _FORKED_AWAY: list[dict[tuple[str, str, str], LocalChunkSource]] = []
 
 
 def _forget_released(url: str, key: str) -> None:
-    """Drop the released views of every build of one version (before a delete or rebuild)."""
+    """Drop the released views and block memos of every build of one version.
+
+    Called before a delete or rebuild; readers holding either keep theirs.
+    """
     with _SOURCES_LOCK:
         for entry in [k for k in _RELEASED if k[:2] == (url, key)]:
             del _RELEASED[entry]
+    forget_memos(url, key)
 
 
 def _after_fork() -> None:

@@ -59,7 +59,7 @@ try:  # the compiled lookup; without it the numpy path answers every batch
 except ImportError:  # pragma: no cover - the package builds it on install
     _gather = None  # type: ignore[assignment]
 
-__all__ = ["BlockMemo", "block_memo", "check_regions", "verify_blocks"]
+__all__ = ["BlockMemo", "block_memo", "check_regions", "forget_memos", "verify_blocks"]
 
 Spans = tuple[list[int], list[int]]  # byte ranges: starts, ends
 _WHOLE_SHARE = 4  # a quarter of a chunk's blocks at once: one hash of the whole chunk
@@ -190,13 +190,26 @@ _MEMOS_LOCK = threading.Lock()
 
 
 def block_memo(url: str, manifest: Manifest) -> BlockMemo:
-    """Return this process's memo of the version ``manifest`` names in the store at ``url``."""
+    """Return this process's memo of the version ``manifest`` names in the store at ``url``.
+
+    A new build of a version replaces the memos of its builds before (readers holding
+    one keep it): a process that rebuilds or re-reads versions does not grow with them.
+    """
     token = (url, manifest.key, manifest.build_id)
     with _MEMOS_LOCK:
         memo = _MEMOS.get(token)
         if memo is None:
+            for old in [k for k in _MEMOS if k[:2] == token[:2]]:
+                del _MEMOS[old]
             memo = _MEMOS[token] = BlockMemo(len(manifest.chunks), manifest.num_records)
         return memo
+
+
+def forget_memos(url: str, key: str) -> None:
+    """Drop this process's memos of every build of one version (it is deleted or rebuilt)."""
+    with _MEMOS_LOCK:
+        for token in [k for k in _MEMOS if k[:2] == (url, key)]:
+            del _MEMOS[token]
 
 
 def _after_fork() -> None:
