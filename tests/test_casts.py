@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import yogastore
+from storage_backends.errors import UnsupportedElementError
 from yogastore import ComponentSpec
 
 REFUSED: list[tuple[str, str, tuple[int | None, ...], Any, str]] = [
@@ -135,3 +136,33 @@ def test_integers_no_single_integer_type_holds_are_refused_by_value(
         spec={"v": yogastore.ComponentSpec(shape=(2,), dtype="float64")},
     )  # fmt: skip
     assert [np.asarray(e["v"]).tolist() for e in ref.stream(shuffle=False)] == [[-1.0, 2.0**63]]
+
+
+def test_a_record_of_the_wrong_shape_is_refused_naming_record_and_component(
+    tmp_path: Path,
+) -> None:
+    spec = {
+        "a": yogastore.ComponentSpec(shape=(4,), dtype="int32"),
+        "x": yogastore.ComponentSpec(shape=(None, 2), dtype="int32"),
+        "s": yogastore.ComponentSpec(shape=(2,), dtype="string"),
+    }
+
+    def records(bad: str) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = [
+            {"a": np.zeros(4, np.int32), "x": np.zeros((i, 2), np.int32), "s": [b"ab", b""]}
+            for i in range(10)
+        ]
+        out[7][bad] = {"a": np.zeros(5, np.int32), "x": np.zeros((3, 3), np.int32), "s": [b"a"]}[
+            bad
+        ]
+        return out
+
+    store = yogastore.Store(tmp_path)
+    for bad, shape in (("a", r"\(5,\)"), ("x", r"\(3, 3\)"), ("s", r"\(1,\)")):
+        with pytest.raises(
+            UnsupportedElementError, match=rf"record 7: component '{bad}' has shape {shape}"
+        ):
+            store.cache("m", "1", lambda bad=bad: records(bad), spec=spec)
+    assert store.versions() == []
+    ref = store.cache("m", "1", lambda: records("a")[:7], spec=spec)
+    assert ref.num_records == 7

@@ -29,8 +29,9 @@ from storage_backends.errors import UnsupportedElementError
 from yogastore.build.casts import check_value
 from yogastore.build.progress import LineProgress, Progress
 from yogastore.format import ChunkBuilder, ColumnSpec, columns_for, parse_header
+from yogastore.format.encode import strings_as_bytes
 from yogastore.format.manifest import ChunkInfo, Manifest, checksum
-from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
+from yogastore.spec import STRING, ComponentSpec, Kind, RaggedValue, Schema, SparseValue
 
 __all__ = [
     "ChunkTable",
@@ -74,15 +75,38 @@ def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[Sour
     """Turn an iterable of numpy structures into per-record column values.
 
     Raises:
-        UnsupportedElementError: a value would be cast lossily to the spec's dtype.
+        UnsupportedElementError: a value would be cast lossily to the spec's dtype, or a
+            dense value does not have the spec's shape (naming the record and component).
     """
-    for element in items:
+    for at, element in enumerate(items):
         leaves = schema.flatten(element)
         values: list[Any] = []
         for comp, leaf, path in zip(schema.components, leaves, schema.paths, strict=True):
             check_value(comp, leaf, path)
+            if comp.kind is Kind.TENSOR:
+                _check_record_shape(comp, leaf, path, at)
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
+
+
+def _check_record_shape(comp: ComponentSpec, value: Any, path: str, at: int) -> None:
+    """Refuse a dense value whose shape is not the spec's, naming the record and component."""
+    try:
+        if comp.dtype != STRING:
+            shape: tuple[int, ...] = np.shape(value)
+        elif isinstance(value, bytes | bytearray | memoryview | str):
+            shape = ()  # one string, not an array of its bytes
+        else:  # as the chunk builder takes strings (strings_as_bytes)
+            nest = strings_as_bytes(value) if isinstance(value, list | tuple) else value
+            shape = np.asarray(nest, dtype=object).shape
+    except ValueError:  # a ragged nest of lists: the column's own checks say why
+        return
+    if len(shape) != len(comp.shape) or any(
+        d is not None and d != s for d, s in zip(comp.shape, shape, strict=True)
+    ):
+        raise UnsupportedElementError(
+            f"record {at}: component {path!r} has shape {shape}, the spec says {comp.shape}"
+        )
 
 
 #: Builders handed to the encoding thread and not yet encoded, at most.
