@@ -69,6 +69,7 @@ from storage_backends.errors import (
     KeyNotFoundError,
     LockTimeoutError,
     StorageError,
+    UnsupportedElementError,
     YogaStoreError,
 )
 from storage_backends.lmdb_env_files import DATA_FILE, check_files, open_data_file, remove_tree
@@ -579,6 +580,8 @@ class LmdbBackend(Backend):
 
     schemes = ("", "file")
     put_copies = True
+    #: LMDB stores a value of at most this many bytes (``MDB_MAXDATASIZE``).
+    max_value_bytes = 0xFFFFFFFF
 
     def __init__(self, url: str, **options: Any) -> None:
         if options:
@@ -682,6 +685,12 @@ class LmdbBackend(Backend):
         return env, name
 
     def _put(self, key: str, data: bytes | memoryview) -> None:
+        if len(data) > self.max_value_bytes:  # LMDB's own error names no size or remedy
+            raise UnsupportedElementError(
+                f"{key!r}: a value of {len(data):,} bytes is over LMDB's limit of "
+                f"{self.max_value_bytes:,} bytes per value; a local store keeps each chunk "
+                "as one value, so a chunk (chunk_bytes) and a record must stay under 4 GiB"
+            )
         env, name = self._writable(key)
         env.write(name, data, overwrite=True)
 

@@ -52,3 +52,26 @@ def test_concurrent_reader_threads(tmp_path: Path) -> None:
         for r in range(8)
     ]
     assert parts == expected
+
+
+def test_chunks_over_lmdb_value_limit_are_refused_before_a_build(tmp_path: Path) -> None:
+    """LMDB stores at most 4 GiB - 1 bytes per value: chunk_bytes over it is refused at once."""
+    from storage_backends.errors import InvalidArgumentError, UnsupportedElementError
+    from storage_backends.lmdb_backend import LmdbBackend
+
+    with pytest.raises(InvalidArgumentError, match="chunk_bytes=8,589,934,592 is over"):
+        yogastore.Store(tmp_path, chunk_bytes=8 << 30)
+    store = yogastore.Store(tmp_path)
+    called = []
+    with pytest.raises(InvalidArgumentError, match="over the 4,294,967,295 bytes LmdbBackend"):
+        store.cache("d", "1", lambda: called.append(1) or [1], chunk_bytes=1 << 32)
+    assert called == [] and store.versions() == []
+
+    class Tiny(LmdbBackend):  # the put's own check, without 4 GiB of memory
+        max_value_bytes = 100
+
+    backend = Tiny(str(tmp_path / "tiny"))
+    backend.put("small", b"x" * 100)
+    with pytest.raises(UnsupportedElementError, match="value of 101 bytes is over LMDB's limit"):
+        backend.put("big", b"x" * 101)
+    assert backend.get("small") == b"x" * 100 and not backend.exists("big")

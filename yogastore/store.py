@@ -452,11 +452,21 @@ class Store:
             self.read_options = dataclasses.replace(self.read_options, **shorthand)
         self.url = os.fspath(url) if url is not None else str(default_root())
         self.backend: Backend = open_backend(self.url, **backend_options)
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = self._check_chunk_bytes(chunk_bytes)
         self.lock_timeout = lock_timeout
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
+
+    def _check_chunk_bytes(self, chunk_bytes: int) -> int:
+        """Refuse chunks larger than the backend stores as one value (before any build)."""
+        most = getattr(self.backend, "max_value_bytes", None)
+        if most is not None and chunk_bytes > most:
+            raise InvalidArgumentError(
+                f"chunk_bytes={chunk_bytes:,} is over the {most:,} bytes "
+                f"{type(self.backend).__name__} stores as one value; give a smaller one"
+            )
+        return chunk_bytes
 
     @property
     def remote(self) -> bool:
@@ -549,6 +559,9 @@ class Store:
         validate_name(version, "version")
         if make_dataset is None or not callable(make_dataset):
             raise InvalidArgumentError("make_dataset must be a callable returning the dataset")
+        chunk_bytes = self._check_chunk_bytes(
+            check_int("chunk_bytes", chunk_bytes or self.chunk_bytes, 1)
+        )
         options = BuildOptions(
             fingerprint=canonical_fingerprint(fingerprint),
             rebuild=rebuild,
@@ -584,7 +597,7 @@ class Store:
                     version,
                     schema,
                     items,
-                    chunk_bytes=chunk_bytes or self.chunk_bytes,
+                    chunk_bytes=chunk_bytes,
                     progress=progress or default_progress(f"caching {dataset_id}/{version}", total),
                     upload_workers=self.backend.upload_workers,
                     build_id=build_id,
@@ -699,7 +712,9 @@ class Store:
             num_ranks=num_ranks,
             attempt=attempt,
             spec=spec,
-            chunk_bytes=check_int("chunk_bytes", chunk_bytes or self.chunk_bytes, 1),
+            chunk_bytes=self._check_chunk_bytes(
+                check_int("chunk_bytes", chunk_bytes or self.chunk_bytes, 1)
+            ),
             progress=progress,
             fingerprint=canonical_fingerprint(fingerprint),
             timeout=timeout,
