@@ -247,6 +247,8 @@ def test_full_disk_on_a_small_tmpfs(tmp_path: Path) -> None:
     assert out["versions"] == [] and out["gc"] == [], out
     assert out["left"] in ([], None), out  # no version directory, no lock file
     assert out["small"] == 100
+    # The failed builds' files went whole: no chunk-by-chunk delete that the full disk refused.
+    assert "could not" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_full_disk_injected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

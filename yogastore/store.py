@@ -606,10 +606,12 @@ class Store:
                 )
 
             def drop_build() -> None:
-                # Still the holder: our own chunks are nobody else's to read.
+                # Still the holder: our own chunks are nobody else's to read. A local
+                # version with no manifest goes whole, and this build's chunks with it
+                # (deleting them one by one needs room in the file that a full disk lacks).
+                if replaces is None and self._drop_uncommitted(dataset_id, version):
+                    return
                 delete_build(self.backend, dataset_id, version, build_id)
-                if replaces is None:
-                    self._drop_uncommitted(dataset_id, version)
 
             manifest, ours = self._commit_or_adopt(dataset_id, version, build, drop_build)
             if not ours and manifest.schema != schema:
@@ -752,24 +754,28 @@ class Store:
 
         return ytf.schema_from_element_spec(spec)
 
-    def _drop_uncommitted(self, dataset_id: str, version: str) -> None:
+    def _drop_uncommitted(self, dataset_id: str, version: str) -> bool:
         """After a failed build (lock held): free a local version that has no manifest.
 
         On a local store the lock cannot be lost unnoticed, so whatever the
         version holds is dead: its files go (an LMDB file never shrinks, and a
         full disk must not stay full), and its lock file. On an object store
-        another builder may still be writing after a lease it lost: only this
-        build's chunks are deleted (above); ``gc`` removes the rest.
+        another builder may still be writing after a lease it lost: only the
+        failed build's own chunks are deleted (``delete_build``); ``gc`` removes
+        the rest. Returns whether the version's files went.
         """
         if self.backend.remote:
-            return
+            return False
         name = f"{dataset_id}/{version}"
         try:
-            if self._read_manifest(dataset_id, version) is None:
-                self.backend.delete_prefix(name + "/")
-                self.backend.delete_lock(name)
+            if self._read_manifest(dataset_id, version) is not None:
+                return False
+            self.backend.delete_prefix(name + "/")
+            self.backend.delete_lock(name)
         except YogaStoreError as err:
             logger.warning("%s: could not remove the failed build's files: %s", name, err)
+            return False
+        return True
 
     def _commit_or_adopt(
         self,
