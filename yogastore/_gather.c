@@ -452,6 +452,33 @@ done:
     return result;
 }
 
+/* Holds a buffer (with flags) of every item of seq, a PySequence_Fast, in a new array
+ * and returns it; NULL when out of memory. *held counts the buffers got: fewer than the
+ * items means an exception is set. release_buffers(array, *held) releases and frees,
+ * after success and failure alike. */
+static Py_buffer *hold_buffers(PyObject *seq, int flags, Py_ssize_t *held) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    *held = 0;
+    if (bufs == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (; *held < n; (*held)++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, *held), &bufs[*held], flags) < 0) {
+            return bufs;  /* an exception is set: the caller releases and frees */
+        }
+    }
+    return bufs;
+}
+
+static void release_buffers(Py_buffer *bufs, Py_ssize_t held) {
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&bufs[i]);
+    }
+    PyMem_Free(bufs);
+}
+
 static PyObject *hash_blocks(PyObject *module, PyObject *args) {
     Py_buffer out, which, starts, ends;
     PyObject *views, *seq = NULL, *result = NULL;
@@ -473,16 +500,9 @@ static PyObject *hash_blocks(PyObject *module, PyObject *args) {
         goto done;
     }
     nviews = PySequence_Fast_GET_SIZE(seq);
-    bufs = PyMem_Calloc((size_t)(nviews ? nviews : 1), sizeof(Py_buffer));
-    if (bufs == NULL) {
-        PyErr_NoMemory();
+    bufs = hold_buffers(seq, PyBUF_SIMPLE, &held);
+    if (bufs == NULL || held < nviews) {
         goto done;
-    }
-    for (; held < nviews; held++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &bufs[held], PyBUF_SIMPLE) <
-            0) {
-            goto done;
-        }
     }
     {
         const Py_ssize_t n = which.len / (Py_ssize_t)sizeof(int64_t);
@@ -519,10 +539,7 @@ static PyObject *hash_blocks(PyObject *module, PyObject *args) {
     }
     result = Py_NewRef(Py_None);
 done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&bufs[i]);
-    }
-    PyMem_Free(bufs);
+    release_buffers(bufs, held);
     Py_XDECREF(seq);
     PyBuffer_Release(&out);
     PyBuffer_Release(&which);
@@ -546,23 +563,17 @@ static PyObject *join_into(PyObject *module, PyObject *args) {
         goto done;
     }
     n = PySequence_Fast_GET_SIZE(seq);
-    bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
-    if (bufs == NULL) {
-        PyErr_NoMemory();
+    bufs = hold_buffers(seq, PyBUF_C_CONTIGUOUS, &held);
+    if (bufs == NULL || held < n) {
         goto done;
     }
-    for (; held < n; held++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &bufs[held],
-                               PyBUF_C_CONTIGUOUS) < 0) {
-            goto done;
-        }
-        if (bufs[held].len > dst.len - total) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (bufs[i].len > dst.len - total) {
             PyErr_Format(PyExc_ValueError,
-                         "pieces up to %zd hold more than the %zd bytes of dst", held, dst.len);
-            held++;
+                         "pieces up to %zd hold more than the %zd bytes of dst", i, dst.len);
             goto done;
         }
-        total += bufs[held].len;
+        total += bufs[i].len;
     }
     Py_BEGIN_ALLOW_THREADS
     char *at = (char *)dst.buf;
@@ -575,10 +586,7 @@ static PyObject *join_into(PyObject *module, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(total);
 done:
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyBuffer_Release(&bufs[i]);
-    }
-    PyMem_Free(bufs);
+    release_buffers(bufs, held);
     Py_XDECREF(seq);
     PyBuffer_Release(&dst);
     return result;

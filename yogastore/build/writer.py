@@ -29,9 +29,8 @@ from storage_backends.errors import UnsupportedElementError
 from yogastore.build.casts import check_value
 from yogastore.build.progress import LineProgress, Progress
 from yogastore.format import ChunkBuilder, ColumnSpec, columns_for, parse_header
-from yogastore.format.encode import strings_as_bytes
 from yogastore.format.manifest import ChunkInfo, Manifest, checksum
-from yogastore.spec import STRING, ComponentSpec, Kind, RaggedValue, Schema, SparseValue
+from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, SparseValue
 
 __all__ = [
     "ChunkTable",
@@ -75,38 +74,15 @@ def records_from_iterable(schema: Schema, items: Iterable[Any]) -> Iterator[Sour
     """Turn an iterable of numpy structures into per-record column values.
 
     Raises:
-        UnsupportedElementError: a value would be cast lossily to the spec's dtype, or a
-            dense value does not have the spec's shape (naming the record and component).
+        UnsupportedElementError: a value would be cast lossily to the spec's dtype.
     """
-    for at, element in enumerate(items):
+    for element in items:
         leaves = schema.flatten(element)
         values: list[Any] = []
         for comp, leaf, path in zip(schema.components, leaves, schema.paths, strict=True):
             check_value(comp, leaf, path)
-            if comp.kind is Kind.TENSOR:
-                _check_record_shape(comp, leaf, path, at)
             values.extend(component_columns(comp, leaf, path))
         yield "record", values
-
-
-def _check_record_shape(comp: ComponentSpec, value: Any, path: str, at: int) -> None:
-    """Refuse a dense value whose shape is not the spec's, naming the record and component."""
-    try:
-        if comp.dtype != STRING:
-            shape: tuple[int, ...] = np.shape(value)
-        elif isinstance(value, bytes | bytearray | memoryview | str):
-            shape = ()  # one string, not an array of its bytes
-        else:  # as the chunk builder takes strings (strings_as_bytes)
-            nest = strings_as_bytes(value) if isinstance(value, list | tuple) else value
-            shape = np.asarray(nest, dtype=object).shape
-    except ValueError:  # a ragged nest of lists: the column's own checks say why
-        return
-    if len(shape) != len(comp.shape) or any(
-        d is not None and d != s for d, s in zip(comp.shape, shape, strict=True)
-    ):
-        raise UnsupportedElementError(
-            f"record {at}: component {path!r} has shape {shape}, the spec says {comp.shape}"
-        )
 
 
 #: Builders handed to the encoding thread and not yet encoded, at most.
@@ -257,10 +233,15 @@ def write_chunks(
     """
     where = key_prefix.rsplit("/", 1)[0] + "/"
     columns: list[ColumnSpec] = [c for comp in schema.components for c in columns_for(comp)]
+    names = [
+        p
+        for comp, p in zip(schema.components, schema.paths, strict=True)
+        for _ in columns_for(comp)
+    ]
     # Chunk buffers are kept for reuse up to twice the chunk size (most chunks end within
     # a record of it); a larger chunk's buffer is freed once put.
     uploader = _Uploader(backend, upload_workers, keep_bytes=2 * chunk_bytes + (64 << 10))
-    builder = ChunkBuilder(columns)
+    builder = ChunkBuilder(columns, names)
     first = 0
     count = 0  # chunks given to the uploader
     written = 0
@@ -276,7 +257,7 @@ def write_chunks(
         count += 1
         first += builder.count
         written += builder.nbytes
-        builder = ChunkBuilder(columns)
+        builder = ChunkBuilder(columns, names)
 
     def report(n: int) -> None:
         # Bytes so far: the chunks written plus the records of the chunk being filled.
@@ -314,7 +295,10 @@ def write_chunks(
                     if builder.nbytes >= chunk_bytes:
                         flush()
             else:
-                builder.add_record(values)
+                try:
+                    builder.add_record(values)
+                except UnsupportedElementError as err:  # which record: the source's count
+                    raise UnsupportedElementError(f"record {first + builder.count}: {err}") from err
                 report(1)
                 if builder.nbytes >= chunk_bytes:
                     flush()

@@ -140,8 +140,10 @@ class _Block:
 class ChunkBuilder:
     """Accumulates records column by column and encodes them as one chunk."""
 
-    def __init__(self, columns: Sequence[ColumnSpec]) -> None:
+    def __init__(self, columns: Sequence[ColumnSpec], names: Sequence[str] | None = None) -> None:
         self.columns = list(columns)
+        # Each column's component, for messages about a record's values (add_record).
+        self.names: list[str | None] = list(names) if names is not None else [None] * len(columns)
         self.count = 0
         self.nbytes = 0
         self._parts: list[list[Any]] = [[] for _ in self.columns]
@@ -216,22 +218,23 @@ class ChunkBuilder:
 
     def add_record(self, values: Sequence[Any]) -> None:
         """Add one record given as one value per column."""
-        for col, parts, value in zip(self.columns, self._parts, values, strict=True):
+        for col, parts, value, name in zip(
+            self.columns, self._parts, values, self.names, strict=True
+        ):
             if col.layout == "fixed":
                 # A copy (as in _add_one): a source may refill one buffer for every record,
                 # and the parts are kept until the chunk is encoded.
                 a = np.array(value, dtype=col.np_dtype)
-                if a.shape != col.shape:
-                    raise UnsupportedElementError(
-                        f"value of shape {a.shape} does not match {col.shape}"
-                    )
+                _check_shape(col, a.shape, name)
                 parts.append(a[None])
                 self.nbytes += a.nbytes
             else:
-                self._add_one(col, parts, value)
+                self._add_one(col, parts, value, name)
         self.count += 1
 
-    def _add_one(self, col: ColumnSpec, parts: list[Any], value: Any) -> None:
+    def _add_one(
+        self, col: ColumnSpec, parts: list[Any], value: Any, name: str | None = None
+    ) -> None:
         if col.layout == "bytes":
             # A bytearray or memoryview is one string, not an array of its bytes.
             if isinstance(value, bytearray | memoryview):
@@ -239,7 +242,7 @@ class ChunkBuilder:
             elif isinstance(value, list | tuple):
                 value = strings_as_bytes(value)
             a = np.asarray(value, dtype=object)
-            _check_shape(col, a.shape)
+            _check_shape(col, a.shape, name)
             strings = [
                 s if isinstance(s, bytes) else str(s).encode() if isinstance(s, str) else bytes(s)
                 for s in a.reshape(-1)
@@ -248,7 +251,7 @@ class ChunkBuilder:
             self.nbytes += sum(len(s) for s in strings) + 8 * (len(strings) + 1)
         else:
             a = np.array(value, dtype=col.np_dtype)  # a copy, see add_record
-            _check_shape(col, a.shape)
+            _check_shape(col, a.shape, name)
             parts.append(a)
             self.nbytes += a.nbytes + 8 * (col.ndim + 1)
 
@@ -372,11 +375,15 @@ def _string_pieces(strings: list[Any]) -> tuple[np.ndarray, list[np.ndarray | by
     return (np.concatenate(lens) if lens else np.empty(0, I64)), pieces
 
 
-def _check_shape(col: ColumnSpec, shape: tuple[int, ...]) -> None:
+def _check_shape(col: ColumnSpec, shape: tuple[int, ...], name: str | None = None) -> None:
     if len(shape) != col.ndim or any(
         d is not None and d != s for d, s in zip(col.shape, shape, strict=True)
     ):
-        raise UnsupportedElementError(f"value of shape {shape} does not match {col.shape}")
+        if name is None:
+            raise UnsupportedElementError(f"value of shape {shape} does not match {col.shape}")
+        raise UnsupportedElementError(
+            f"component {name!r} has shape {shape}, the spec says {col.shape}"
+        )
 
 
 def strings_as_bytes(value: list[Any] | tuple[Any, ...]) -> list[Any]:

@@ -199,8 +199,7 @@ def block_memo(url: str, manifest: Manifest) -> BlockMemo:
     with _MEMOS_LOCK:
         memo = _MEMOS.get(token)
         if memo is None:
-            for old in [k for k in _MEMOS if k[:2] == token[:2]]:
-                del _MEMOS[old]
+            _drop_memos(url, manifest.key)
             memo = _MEMOS[token] = BlockMemo(len(manifest.chunks), manifest.num_records)
         return memo
 
@@ -208,8 +207,13 @@ def block_memo(url: str, manifest: Manifest) -> BlockMemo:
 def forget_memos(url: str, key: str) -> None:
     """Drop this process's memos of every build of one version (it is deleted or rebuilt)."""
     with _MEMOS_LOCK:
-        for token in [k for k in _MEMOS if k[:2] == (url, key)]:
-            del _MEMOS[token]
+        _drop_memos(url, key)
+
+
+def _drop_memos(url: str, key: str) -> None:
+    """Drop the memos of every build of one version (the caller holds ``_MEMOS_LOCK``)."""
+    for token in [k for k in _MEMOS if k[:2] == (url, key)]:
+        del _MEMOS[token]
 
 
 def _after_fork() -> None:

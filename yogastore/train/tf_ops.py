@@ -130,13 +130,8 @@ def gather_bytes(
         tf.errors.InvalidArgumentError: a range reaches outside ``values``.
         tf.errors.DataLossError: ``file`` shrank below its guarded size.
     """
-    ops = load()
-    if ops is None:
-        raise RuntimeError(
-            "the yogastore TensorFlow kernel is not built: run python -m yogastore.train.tf_ops"
-        )
     guard = tf.cast(file_guard, tf.int64)
-    return ops.yogastore_gather_bytes(values, starts, lengths, file, guard)
+    return _ops().yogastore_gather_bytes(values, starts, lengths, file, guard)
 
 
 def join_bytes(strings: Any) -> tuple[tf.Tensor, tf.Tensor]:
@@ -145,13 +140,18 @@ def join_bytes(strings: Any) -> tuple[tf.Tensor, tf.Tensor]:
     Raises:
         RuntimeError: the kernel is not built or switched off.
     """
+    values, lengths = _ops().yogastore_join_bytes(strings)
+    return values, lengths
+
+
+def _ops() -> Any:
+    """The loaded kernel module; ``RuntimeError`` when it is not built or switched off."""
     ops = load()
     if ops is None:
         raise RuntimeError(
             "the yogastore TensorFlow kernel is not built: run python -m yogastore.train.tf_ops"
         )
-    values, lengths = ops.yogastore_join_bytes(strings)
-    return values, lengths
+    return ops
 
 
 if __name__ == "__main__":
