@@ -158,6 +158,20 @@ def test_gather_ranges_refuses_out_of_bounds(start: int, length: int, dst_size: 
         gather_ranges(dst, src, np.array([0, start], np.int64), np.array([0, length], np.int64))
 
 
+@pytest.mark.parametrize("bad_start", [-(2**62), 2**62, 10_001])
+def test_gather_ranges_names_a_bad_range_it_read_ahead_of(bad_start: int) -> None:
+    # The start of a range some places on is requested early; a bad one must still be
+    # refused when reached, under its own number, after the good ranges before it.
+    src = np.arange(10_000, dtype=np.int64).view(np.uint8)[:10_000]
+    starts = np.arange(0, 2000, 100, dtype=np.int64)
+    lengths = np.full(len(starts), 90, np.int64)
+    starts[12] = bad_start
+    dst = np.zeros(int(lengths.sum()), np.uint8)
+    with pytest.raises(IndexError, match=f"range 12 \\(start {bad_start}, length 90\\)"):
+        gather_ranges(dst, src, starts, lengths)
+    np.testing.assert_array_equal(dst[: 12 * 90], src[_segments(starts[:12], lengths[:12])])
+
+
 def test_split_bytes_cuts_and_checks() -> None:
     data = np.frombuffer(b"abc\x00de", np.uint8)
     assert split_bytes(data, np.array([0, 0, 4, 6], np.int64)) == [b"", b"abc\x00", b"de"]

@@ -49,9 +49,11 @@
  * start of the row PREFETCH_AHEAD places on is requested while the current one
  * is copied, so several cache misses are outstanding at once (random 16-byte
  * rows of a 200 MB map: about 2.5x faster). Prefetching never faults; it is
- * only issued for starts inside the source. gather_ranges does not prefetch:
- * its copies of 50-500 bytes measured no faster with it. */
+ * only issued for starts inside the source. gather_ranges requests the first
+ * two cache lines of the range RANGE_PREFETCH_AHEAD places on (random strings
+ * of 50-500 bytes of a 1.2 GB map: about 1.2x faster). */
 #define PREFETCH_AHEAD 12
+#define RANGE_PREFETCH_AHEAD 8
 
 static PyObject *gather_rows(PyObject *module, PyObject *args) {
     Py_buffer dst, src, starts;
@@ -161,6 +163,16 @@ static PyObject *gather_ranges(PyObject *module, PyObject *args) {
                 bad_start = s;
                 bad_len = k;
                 break;
+            }
+            if (i + RANGE_PREFETCH_AHEAD < n) {
+                int64_t p;
+                memcpy(&p, pos + i + RANGE_PREFETCH_AHEAD, sizeof p);
+                if (p >= 0 && p < src_len) {
+                    __builtin_prefetch(in + p, 0, 0);
+                    if (p + 64 < src_len) {
+                        __builtin_prefetch(in + p + 64, 0, 0);
+                    }
+                }
             }
             memcpy(out + total, in + s, (size_t)k);
             total += k;
