@@ -71,7 +71,7 @@ def labels_of(batches: Iterator[dict[str, Any]]) -> list[int]:
 # gather_rows ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("row", [1, 7, 24, 64])
+@pytest.mark.parametrize("row", [1, 7, 8, 16, 24, 64])
 def test_gather_rows_matches_fancy_indexing(row: int) -> None:
     rng = np.random.default_rng(row)
     src = rng.integers(0, 256, size=5000, dtype=np.uint8)

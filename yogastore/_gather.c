@@ -55,6 +55,32 @@
 #define PREFETCH_AHEAD 12
 #define RANGE_PREFETCH_AHEAD 8
 
+/* Copies row bytes from in + pos[i] to out + i * row for every i < n; returns the
+ * first i whose start lies outside [0, last] (its start in *bad_start), or -1. */
+static inline __attribute__((always_inline)) Py_ssize_t
+copy_rows_loop(char *out, const char *in, const int64_t *pos, Py_ssize_t n, Py_ssize_t row,
+               int64_t last, int64_t *bad_start) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s;
+        memcpy(&s, pos + i, sizeof s);
+        /* Checked again on the read that is used: another thread may have
+         * written starts since the check before it. */
+        if (s < 0 || s > last) {
+            *bad_start = s;
+            return i;
+        }
+        if (i + PREFETCH_AHEAD < n) {
+            int64_t p;
+            memcpy(&p, pos + i + PREFETCH_AHEAD, sizeof p);
+            if (p >= 0 && p <= last) {
+                __builtin_prefetch(in + p, 0, 0);
+            }
+        }
+        memcpy(out + i * row, in + s, (size_t)row);
+    }
+    return -1;
+}
+
 static PyObject *gather_rows(PyObject *module, PyObject *args) {
     Py_buffer dst, src, starts;
     Py_ssize_t row;
@@ -96,24 +122,14 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
         Py_ssize_t bad = -1;
         int64_t bad_start = 0;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t s;
-            memcpy(&s, pos + i, sizeof s);
-            /* Checked again on the read that is used: another thread may have
-             * written starts since the check above. */
-            if (s < 0 || s > last) {
-                bad = i;
-                bad_start = s;
-                break;
-            }
-            if (i + PREFETCH_AHEAD < n) {
-                int64_t p;
-                memcpy(&p, pos + i + PREFETCH_AHEAD, sizeof p);
-                if (p >= 0 && p <= last) {
-                    __builtin_prefetch(in + p, 0, 0);
-                }
-            }
-            memcpy(out + i * row, in + s, (size_t)row);
+        /* Rows of 8 and 16 bytes (labels, offsets) get a copy of constant size,
+         * which the compiler inlines; other sizes call memcpy. */
+        if (row == 8) {
+            bad = copy_rows_loop(out, in, pos, n, 8, last, &bad_start);
+        } else if (row == 16) {
+            bad = copy_rows_loop(out, in, pos, n, 16, last, &bad_start);
+        } else {
+            bad = copy_rows_loop(out, in, pos, n, row, last, &bad_start);
         }
         Py_END_ALLOW_THREADS
         if (bad >= 0) {
