@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -86,6 +87,130 @@ def test_data_file_truncated_under_a_reader_is_an_error_not_sigbus(
         assert kind == "CorruptCacheError", (case, out[case])
         assert data in message and "shrank" in message, (case, message)
     assert out["list"] == []  # skipped with a warning
+
+
+# The compiled copies and hashes read a file map; the file is cut short under
+# them. Each call must raise MappedFault; a read of the lost bytes outside them
+# must still end the process with SIGBUS (other faults are not swallowed).
+MAPPED_FAULT = textwrap.dedent(
+    """
+    import json, mmap, os, sys
+    import numpy as np
+    from yogastore import _gather
+    path = sys.argv[1]
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))
+    m = mmap.mmap(os.open(path, os.O_RDONLY), 1 << 20, prot=mmap.PROT_READ)
+    src = np.frombuffer(m, np.uint8)
+    os.truncate(path, 4096)
+    starts = np.array([0, 8192, 500000], np.int64)
+    calls = {
+        "gather_rows": lambda: _gather.gather_rows(np.empty(192, np.uint8), src, starts, 64),
+        "gather_ranges": lambda: _gather.gather_ranges(
+            np.empty(300, np.uint8), src, starts, np.full(3, 100, np.int64)),
+        "hash_blocks": lambda: _gather.hash_blocks(
+            np.empty(3, np.uint64), [src], np.zeros(3, np.int64), starts, starts + 100),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except _gather.MappedFault as err:
+            out[name] = str(err)
+    kept = np.empty(64, np.uint8)
+    _gather.gather_rows(kept, src, np.array([0], np.int64), 64)  # the bytes still there
+    out["kept"] = bool((kept == src[:64]).all())
+    print(json.dumps(out), flush=True)
+    print(int(src[8192]))  # unguarded: SIGBUS
+    """
+)
+
+
+def test_mapped_bytes_cut_short_under_a_copy_raise_and_other_faults_still_kill(
+    tmp_path: Path,
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", MAPPED_FAULT, str(tmp_path / "f")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr[-2000:])
+    out = json.loads(proc.stdout.splitlines()[0])
+    for name in ("gather_rows", "gather_ranges", "hash_blocks"):
+        assert out[name].startswith(f"{name}: ") and "SIGBUS" in out[name], out
+    assert out["kept"] is True
+
+
+# The truncation lands after a gather's size check, while its bytes are copied
+# (the race the check cannot close): the first check is skipped to stand for it.
+RACED = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np, yogastore
+    root = sys.argv[1]
+    ref = yogastore.Store(root).open("d", "1")
+    source = ref.make_source()
+    everything = np.arange(ref.num_records, dtype=np.int64)
+    source.gather(everything[:1])  # maps the file
+    data = os.path.join(root, "d", "1", "data.mdb")
+    os.truncate(data, 8192)
+    backend, check = source.backend, source.backend.check_mapped
+    calls = []
+    def late_check(key):
+        calls.append(key)
+        if len(calls) > 1:
+            check(key)
+    backend.check_mapped = late_check
+    out = {}
+    try:
+        source.gather(everything)
+        out["gather"] = "no error"
+    except yogastore.YogaStoreError as err:
+        out["gather"] = [type(err).__name__, str(err)]
+    backend.check_mapped = check
+    print(json.dumps(out))
+    """
+)
+
+
+def test_file_cut_short_while_a_batch_is_copied_is_an_error(tmp_path: Path) -> None:
+    build(tmp_path)
+    out = run(RACED, str(tmp_path))
+    kind, message = out["gather"]
+    assert kind == "CorruptCacheError", message
+    assert str(tmp_path / "d" / "1" / "data.mdb") in message and "shrank" in message, message
+
+
+# A StringRanges batch is a view of the mapped file: copied after the file was
+# cut short, it is an error, not a SIGBUS.
+RANGES_KEPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np, yogastore
+    root = sys.argv[1]
+    spec = {"s": yogastore.ComponentSpec(shape=(), dtype="string")}
+    records = [{"s": bytes([i % 251]) * (i % 3000)} for i in range(300)]
+    ref = yogastore.Store(root, chunk_bytes=64 << 10).cache("t", "1", lambda: records, spec=spec)
+    batches = list(ref.stream(shuffle=False).batches(100, strings=yogastore.StringFormat.RANGES))
+    ok = batches[0]["s"].to_buffer().to_numpy().tolist() == [r["s"] for r in records[:100]]
+    os.truncate(os.path.join(root, "t", "1", "data.mdb"), 8192)
+    try:
+        batches[-1]["s"].to_buffer()
+        out = "no error"
+    except yogastore.YogaStoreError as err:
+        out = [type(err).__name__, str(err)]
+    print(json.dumps({"ok": ok, "after": out}))
+    """
+)
+
+
+def test_string_ranges_copied_after_their_file_was_cut_short(tmp_path: Path) -> None:
+    out = run(RANGES_KEPT, str(tmp_path))
+    assert out["ok"] is True
+    kind, message = out["after"]
+    assert kind == "CorruptCacheError" and "StringRanges.to_buffer" in message, message
 
 
 # Opens a store whose version directory holds something LMDB must not open.

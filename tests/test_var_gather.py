@@ -334,6 +334,43 @@ def test_string_buffer_checks_its_shape() -> None:
     assert len(sb) == 3 and sb.lengths().tolist() == [1, 0, 2]
 
 
+_DATA = np.frombuffer(b"hello world", np.uint8)
+_I64 = np.array([0, 6], np.int64)
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: StringRanges(_DATA, _I64.astype(np.int32), _I64, (2,)), "starts"),
+        (lambda: StringRanges(_DATA, _I64, np.array([5.0, 5.0]), (2,)), "lengths"),
+        (lambda: StringRanges(_DATA, [0, 6], _I64, (2,)), "starts"),
+        (lambda: StringRanges(_DATA, np.array([0, 9, 6, 9])[::2], _I64, (2,)), "non-contiguous"),
+        (lambda: StringRanges(_DATA, _I64.reshape(1, 2), _I64, (2,)), "2-D"),
+        (lambda: StringRanges(b"hello world", _I64, _I64, (2,)), "data"),
+        (lambda: StringRanges(_DATA.view(np.int8), _I64, _I64, (2,)), "int8"),
+        (lambda: StringRanges(_DATA, _I64, _I64, (-2,)), "non-negative"),
+        (lambda: StringRanges(_DATA, _I64, _I64, [2]), "tuple"),
+        (lambda: StringBuffer(_DATA, np.array([0, 5, 11], np.int32), (2,)), "offsets"),
+        (lambda: StringBuffer(_DATA.astype(np.int64), np.array([0, 5, 11]), (2,)), "data"),
+        (lambda: StringBuffer(_DATA, np.array([0, 5, 11]), (2.0,)), "shape"),
+    ],
+)
+def test_string_parts_of_the_wrong_kind_are_named(make: Any, named: str) -> None:
+    # Hand-built batches with parts the kernels cannot read get an error naming the part,
+    # never a copy of the wrong bytes.
+    with pytest.raises(yogastore.UnsupportedElementError, match=named):
+        make()
+
+
+def test_string_parts_of_the_right_kind_read_back() -> None:
+    ranges = StringRanges(_DATA, _I64, np.array([5, 5], np.int64), (2,))
+    assert ranges.to_numpy().tolist() == [b"hello", b"world"]
+    empty = StringRanges(_DATA, _I64[:0], _I64[:0], (0, 3))
+    assert empty.to_buffer().to_numpy().shape == (0, 3)
+    buf = StringBuffer(_DATA, np.array([0, 5, 11], np.int64), (np.int64(2),))
+    assert buf.to_numpy().tolist() == [b"hello", b" world"]
+
+
 def test_empty_dataset_region_gathers(tmp_path: Path) -> None:
     # Only empty strings and empty token rows: every data region is empty.
     ds = tf.data.Dataset.from_tensor_slices(

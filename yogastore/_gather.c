@@ -36,9 +36,17 @@
  * feistel(out, values, keys, high_bits, low_bits, wide, n) evaluates the keyed
  * permutation of yogastore.read.order.FeistelPermutation (same rounds, same words,
  * same cycle walking) on int64 values in [0, n), writing int64 images to out.
+ *
+ * gather_rows, gather_ranges and hash_blocks read memory maps of store files. A
+ * file cut short under a map turns a read of its lost pages into SIGBUS, which
+ * would kill the process; while these loops run, a SIGBUS in their thread ends
+ * the loop instead and the call raises MappedFault (an OSError), so the caller
+ * can name the file. Any other SIGBUS goes to the handler installed before.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -54,6 +62,65 @@
  * of 50-500 bytes of a 1.2 GB map: about 1.2x faster). */
 #define PREFETCH_AHEAD 12
 #define RANGE_PREFETCH_AHEAD 8
+
+/* SIGBUS guard: the jump target of the guarded loop running in this thread, or
+ * NULL. The handler jumps there; outside a guarded loop it hands the signal to
+ * the handler installed before (by default: the process dies, as without it). */
+static _Thread_local sigjmp_buf *bus_target;
+static struct sigaction previous_bus;
+static PyObject *MappedFault;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context) {
+    sigjmp_buf *target = bus_target;
+    if (target != NULL) {
+        bus_target = NULL;
+        siglongjmp(*target, 1);
+    }
+    if (previous_bus.sa_flags & SA_SIGINFO) {
+        previous_bus.sa_sigaction(sig, info, context);
+        return;
+    }
+    if (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
+        previous_bus.sa_handler(sig);
+        return;
+    }
+    /* Default action: restore it; a fault then recurs on return and ends the
+     * process, a signal sent by another process is sent again. */
+    sigaction(SIGBUS, &previous_bus, NULL);
+    if (info == NULL || info->si_code <= 0) {
+        raise(sig);
+    }
+}
+
+static int install_bus_guard(void) {
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_sigbus;
+    /* NODEFER: the jump out leaves SIGBUS unblocked without saving the mask. */
+    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    return sigaction(SIGBUS, &action, &previous_bus);
+}
+
+/* Calls step(state) and returns 0, or returns 1 if a SIGBUS in this thread cut
+ * it short. The caller has released the GIL. */
+static int run_guarded(void (*step)(void *), void *state) {
+    sigjmp_buf target;
+    if (sigsetjmp(target, 0) != 0) {
+        return 1; /* the handler cleared bus_target */
+    }
+    bus_target = &target;
+    step(state);
+    bus_target = NULL;
+    return 0;
+}
+
+static void set_mapped_fault(const char *what) {
+    PyErr_Format(MappedFault,
+                 "%s: the mapped source bytes could not be read (SIGBUS: the file under the "
+                 "map was cut short)",
+                 what);
+}
 
 /* Copies row bytes from in + pos[i] to out + i * row for every i < n; returns the
  * first i whose start lies outside [0, last] (its start in *bad_start), or -1. */
@@ -79,6 +146,34 @@ copy_rows_loop(char *out, const char *in, const int64_t *pos, Py_ssize_t n, Py_s
         memcpy(out + i * row, in + s, (size_t)row);
     }
     return -1;
+}
+
+/* Rows of 8 and 16 bytes (labels, offsets) get a copy of constant size, which
+ * the compiler inlines; other sizes call memcpy. */
+static Py_ssize_t
+copy_rows_any(char *out, const char *in, const int64_t *pos, Py_ssize_t n, Py_ssize_t row,
+              int64_t last, int64_t *bad_start) {
+    if (row == 8) {
+        return copy_rows_loop(out, in, pos, n, 8, last, bad_start);
+    }
+    if (row == 16) {
+        return copy_rows_loop(out, in, pos, n, 16, last, bad_start);
+    }
+    return copy_rows_loop(out, in, pos, n, row, last, bad_start);
+}
+
+struct rows_call {
+    char *out;
+    const char *in;
+    const int64_t *pos;
+    Py_ssize_t n, row;
+    int64_t last, bad_start;
+    Py_ssize_t bad;
+};
+
+static void rows_step(void *state) {
+    struct rows_call *c = state;
+    c->bad = copy_rows_any(c->out, c->in, c->pos, c->n, c->row, c->last, &c->bad_start);
 }
 
 static PyObject *gather_rows(PyObject *module, PyObject *args) {
@@ -121,17 +216,17 @@ static PyObject *gather_rows(PyObject *module, PyObject *args) {
         const char *in = (const char *)src.buf;
         Py_ssize_t bad = -1;
         int64_t bad_start = 0;
+        struct rows_call call = {out, in, pos, n, row, last, 0, -1};
+        int faulted;
         Py_BEGIN_ALLOW_THREADS
-        /* Rows of 8 and 16 bytes (labels, offsets) get a copy of constant size,
-         * which the compiler inlines; other sizes call memcpy. */
-        if (row == 8) {
-            bad = copy_rows_loop(out, in, pos, n, 8, last, &bad_start);
-        } else if (row == 16) {
-            bad = copy_rows_loop(out, in, pos, n, 16, last, &bad_start);
-        } else {
-            bad = copy_rows_loop(out, in, pos, n, row, last, &bad_start);
-        }
+        faulted = run_guarded(rows_step, &call);
         Py_END_ALLOW_THREADS
+        bad = call.bad;
+        bad_start = call.bad_start;
+        if (faulted) {
+            set_mapped_fault("gather_rows");
+            goto done;
+        }
         if (bad >= 0) {
             PyErr_Format(PyExc_IndexError,
                          "row %zd starts at byte %lld, outside the %zd-byte source",
@@ -145,6 +240,58 @@ done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&starts);
     return result;
+}
+
+/* Appends in[pos[i] : pos[i] + len[i]] to out for every i < n, each range
+ * checked on the read the copy uses; returns the first bad i (its range in
+ * *bad_start, *bad_len) or -1, and the bytes written in *total. */
+static Py_ssize_t
+copy_ranges_loop(char *out, const char *in, const int64_t *pos, const int64_t *len, Py_ssize_t n,
+                 int64_t src_len, int64_t dst_len, int64_t *bad_start, int64_t *bad_len,
+                 int64_t *total_out) {
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s, k;
+        /* Read once, then checked and used: a concurrent writer of starts or
+         * lengths cannot move the copy outside src or dst. */
+        memcpy(&s, pos + i, sizeof s);
+        memcpy(&k, len + i, sizeof k);
+        if (s < 0 || k < 0 || s > src_len || k > src_len - s || k > dst_len - total) {
+            *bad_start = s;
+            *bad_len = k;
+            *total_out = total;
+            return i;
+        }
+        if (i + RANGE_PREFETCH_AHEAD < n) {
+            int64_t p;
+            memcpy(&p, pos + i + RANGE_PREFETCH_AHEAD, sizeof p);
+            if (p >= 0 && p < src_len) {
+                __builtin_prefetch(in + p, 0, 0);
+                if (p + 64 < src_len) {
+                    __builtin_prefetch(in + p + 64, 0, 0);
+                }
+            }
+        }
+        memcpy(out + total, in + s, (size_t)k);
+        total += k;
+    }
+    *total_out = total;
+    return -1;
+}
+
+struct ranges_call {
+    char *out;
+    const char *in;
+    const int64_t *pos, *len;
+    Py_ssize_t n;
+    int64_t src_len, dst_len, bad_start, bad_len, total;
+    Py_ssize_t bad;
+};
+
+static void ranges_step(void *state) {
+    struct ranges_call *c = state;
+    c->bad = copy_ranges_loop(c->out, c->in, c->pos, c->len, c->n, c->src_len, c->dst_len,
+                              &c->bad_start, &c->bad_len, &c->total);
 }
 
 static PyObject *gather_ranges(PyObject *module, PyObject *args) {
@@ -167,33 +314,19 @@ static PyObject *gather_ranges(PyObject *module, PyObject *args) {
         const char *in = (const char *)src.buf;
         Py_ssize_t bad = -1;
         int64_t bad_start = 0, bad_len = 0, total = 0;
+        struct ranges_call call = {out, in, pos, len, n, src_len, dst_len, 0, 0, 0, -1};
+        int faulted;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t s, k;
-            /* Read once, then checked and used: a concurrent writer of starts or
-             * lengths cannot move the copy outside src or dst. */
-            memcpy(&s, pos + i, sizeof s);
-            memcpy(&k, len + i, sizeof k);
-            if (s < 0 || k < 0 || s > src_len || k > src_len - s || k > dst_len - total) {
-                bad = i;
-                bad_start = s;
-                bad_len = k;
-                break;
-            }
-            if (i + RANGE_PREFETCH_AHEAD < n) {
-                int64_t p;
-                memcpy(&p, pos + i + RANGE_PREFETCH_AHEAD, sizeof p);
-                if (p >= 0 && p < src_len) {
-                    __builtin_prefetch(in + p, 0, 0);
-                    if (p + 64 < src_len) {
-                        __builtin_prefetch(in + p + 64, 0, 0);
-                    }
-                }
-            }
-            memcpy(out + total, in + s, (size_t)k);
-            total += k;
-        }
+        faulted = run_guarded(ranges_step, &call);
         Py_END_ALLOW_THREADS
+        bad = call.bad;
+        bad_start = call.bad_start;
+        bad_len = call.bad_len;
+        total = call.total;
+        if (faulted) {
+            set_mapped_fault("gather_ranges");
+            goto done;
+        }
         if (bad >= 0) {
             PyErr_Format(PyExc_IndexError,
                          "range %zd (start %lld, length %lld) lies outside the %zd-byte source "
@@ -507,6 +640,37 @@ static void release_buffers(Py_buffer *bufs, Py_ssize_t held) {
     PyMem_Free(bufs);
 }
 
+/* digests[i] = XXH3-64 of bufs[w[i]] bytes [s[i], e[i]) for every i < n; returns
+ * the first i whose range is out of bounds, or -1. */
+static Py_ssize_t
+hash_loop(uint64_t *digests, const Py_buffer *bufs, Py_ssize_t nviews, const int64_t *w,
+          const int64_t *s, const int64_t *e, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* Checked again on the read that is used: another thread may have
+         * written the index arrays since the check before the call. */
+        const int64_t k = w[i], lo = s[i], hi = e[i];
+        if (k < 0 || k >= nviews || lo < 0 || hi < lo || hi > (int64_t)bufs[k].len) {
+            return i;
+        }
+        uint64_t d = XXH3_64bits((const char *)bufs[k].buf + lo, (size_t)(hi - lo));
+        memcpy(digests + i, &d, sizeof d);
+    }
+    return -1;
+}
+
+struct hash_call {
+    uint64_t *digests;
+    const Py_buffer *bufs;
+    Py_ssize_t nviews;
+    const int64_t *w, *s, *e;
+    Py_ssize_t n, bad;
+};
+
+static void hash_step(void *state) {
+    struct hash_call *c = state;
+    c->bad = hash_loop(c->digests, c->bufs, c->nviews, c->w, c->s, c->e, c->n);
+}
+
 static PyObject *hash_blocks(PyObject *module, PyObject *args) {
     Py_buffer out, which, starts, ends;
     PyObject *views, *seq = NULL, *result = NULL;
@@ -547,19 +711,16 @@ static PyObject *hash_blocks(PyObject *module, PyObject *args) {
         }
         uint64_t *digests = (uint64_t *)out.buf;
         Py_ssize_t bad = -1;
+        struct hash_call call = {digests, bufs, nviews, w, s, e, n, -1};
+        int faulted;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            /* Checked again on the read that is used: another thread may have
-             * written the index arrays since the check above. */
-            const int64_t k = w[i], lo = s[i], hi = e[i];
-            if (k < 0 || k >= nviews || lo < 0 || hi < lo || hi > (int64_t)bufs[k].len) {
-                bad = i;
-                break;
-            }
-            uint64_t d = XXH3_64bits((const char *)bufs[k].buf + lo, (size_t)(hi - lo));
-            memcpy(digests + i, &d, sizeof d);
-        }
+        faulted = run_guarded(hash_step, &call);
         Py_END_ALLOW_THREADS
+        bad = call.bad;
+        if (faulted) {
+            set_mapped_fault("hash_blocks");
+            goto done;
+        }
         if (bad >= 0) {
             PyErr_Format(PyExc_IndexError, "block %zd changed while it was hashed", bad);
             goto done;
@@ -652,4 +813,23 @@ static struct PyModuleDef module_def = {
     "verified-block lookups and block hashes (yogastore.read.verified) and the shuffled order (yogastore.read.order.FeistelPermutation).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__gather(void) {
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    MappedFault = PyErr_NewExceptionWithDoc(
+        "yogastore._gather.MappedFault",
+        "A read of mapped source bytes faulted (SIGBUS): the file under the map was cut short.",
+        PyExc_OSError, NULL);
+    if (MappedFault == NULL || PyModule_AddObjectRef(module, "MappedFault", MappedFault) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    if (install_bus_guard() != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

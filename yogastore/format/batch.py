@@ -44,6 +44,45 @@ class StringFormat(enum.Enum):
     RANGES = "ranges"
 
 
+def _check_parts(kind: str, shape: Any, data: Any, **index: Any) -> None:
+    """Raise ``UnsupportedElementError`` unless a string batch's parts suit its kernels.
+
+    ``data`` must be a 1-D ``uint8`` array, each of ``index`` a 1-D ``int64`` array,
+    all C-contiguous, and ``shape`` a tuple of non-negative ints.
+    """
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise UnsupportedElementError(
+            f"{kind} shape must be a tuple of non-negative ints, got {shape!r}"
+        )
+    if not _is_flat(data, np.uint8):
+        raise UnsupportedElementError(
+            f"{kind} data must be a contiguous 1-D numpy uint8 array, got {_describe(data)}"
+        )
+    for name, arr in index.items():
+        if not _is_flat(arr, np.int64):
+            raise UnsupportedElementError(
+                f"{kind} {name} must be a contiguous 1-D numpy int64 array, got {_describe(arr)}"
+            )
+
+
+def _is_flat(value: Any, dtype: type) -> bool:
+    return (
+        isinstance(value, np.ndarray)
+        and value.dtype == dtype
+        and value.ndim == 1
+        and value.flags.c_contiguous
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        strided = "" if value.flags.c_contiguous else "non-contiguous "
+        return f"a {strided}{value.ndim}-D {value.dtype} array"
+    return f"a {type(value).__name__}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StringBuffer:
     """Strings as one byte buffer plus offsets: string ``i`` is ``data[offsets[i]:offsets[i + 1]]``.
@@ -60,6 +99,7 @@ class StringBuffer:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        _check_parts("StringBuffer", self.shape, self.data, offsets=self.offsets)
         n = len(self.offsets) - 1
         if n < 0 or math.prod(self.shape) != n:
             raise UnsupportedElementError(
@@ -102,6 +142,9 @@ class StringRanges:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        _check_parts(
+            "StringRanges", self.shape, self.data, starts=self.starts, lengths=self.lengths
+        )
         n = len(self.starts)
         if len(self.lengths) != n or math.prod(self.shape) != n:
             raise UnsupportedElementError(
@@ -124,10 +167,16 @@ class StringRanges:
         """Return the strings copied back to back (a ``StringBuffer`` of the same shape)."""
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=offsets[1:])
-        from yogastore.format.memory import copy_ranges  # (memory imports this module)
+        from yogastore.format.memory import MappedFault, copy_ranges  # (memory imports this)
 
         out = np.empty(int(offsets[-1]), dtype=np.uint8)
-        copy_ranges(out, self.data, self.starts, self.lengths)
+        try:
+            copy_ranges(out, self.data, self.starts, self.lengths)
+        except MappedFault as err:
+            raise CorruptCacheError(
+                f"StringRanges.to_buffer: the stored bytes these strings lie in are gone "
+                f"(their file was cut short after the batch was handed out): {err}"
+            ) from err
         return StringBuffer(out, offsets, self.shape)
 
     def to_numpy(self) -> np.ndarray:

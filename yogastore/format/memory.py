@@ -40,9 +40,16 @@ try:  # the compiled copies; without them numpy does the same (slower)
 except ImportError:  # pragma: no cover - the package builds it on install
     _gather = None  # type: ignore[assignment]
 
+#: Raised by the compiled copies and hashes when a read of mapped bytes faults
+#: (SIGBUS: the file under the map was cut short); callers name the file.
+MappedFault: type[OSError] = (
+    _gather.MappedFault if _gather is not None else type("MappedFault", (OSError,), {})
+)
+
 __all__ = [
     "BufferPool",
     "FixedRows",
+    "MappedFault",
     "VarRows",
     "column_rows",
     "copy_ranges",

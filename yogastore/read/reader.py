@@ -34,7 +34,7 @@ from yogastore.arrays import IntArray
 from yogastore.format import ChunkView, ColumnBatch, parse_header
 from yogastore.format.blocks import BlockSums
 from yogastore.format.manifest import Manifest, checksum
-from yogastore.format.memory import column_rows, record_ranges
+from yogastore.format.memory import MappedFault, column_rows, record_ranges
 from yogastore.read.verified import (
     Spans,
     block_memo,
@@ -363,6 +363,24 @@ class LocalChunkSource:
         # Views handed out earlier read a memory map: make sure its file did
         # not shrink since (an outside truncation), which would be a SIGBUS.
         self.backend.check_mapped(self._mapped_key)
+        try:
+            out = self._gather_checked(records, which, local, in_place)
+        except MappedFault as err:
+            # The file shrank after the check above, while its bytes were read.
+            self.backend.check_mapped(self._mapped_key)  # names it when it stays short
+            mapped = self.backend.mapped_file(self._mapped_key)
+            where = f" from {mapped[0]}" if mapped else ""
+            raise CorruptCacheError(
+                f"reading {len(records)} records of {self.manifest.where}{where} faulted: {err}"
+            ) from err
+        with self._lock:
+            self.stats.records += len(records)
+            self.stats.batches += 1
+        return out
+
+    def _gather_checked(
+        self, records: IntArray, which: IntArray, local: IntArray, in_place: bool
+    ) -> list[ColumnBatch]:
         if not self._all_loaded:
             new = np.unique(which[~self._loaded[which]]).tolist()
             chunks = self.manifest.chunks
@@ -382,11 +400,7 @@ class LocalChunkSource:
         # Strings stay in place only inside one memory map: all bytes an array
         # spanning them covers are then readable.
         region = self.backend.mapped_span(self._mapped_key) if in_place else None
-        out = [rows.gather(which, local, region) for rows in self._rows]
-        with self._lock:
-            self.stats.records += len(records)
-            self.stats.batches += 1
-        return out
+        return [rows.gather(which, local, region) for rows in self._rows]
 
     def check_mapped(self) -> None:
         """Raise ``CorruptCacheError`` if the file views of this source map shrank."""
