@@ -10,6 +10,8 @@
 // their bytes one after another plus their lengths, one copy each, in a
 // tf.data thread: the first pass then takes a batch of strings as two arrays.
 
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <cstring>
@@ -89,6 +91,58 @@ absl::Status CheckFile(const Tensor& file, const Tensor& guard) {
   return absl::OkStatus();
 }
 
+// SIGBUS guard, as in yogastore/_gather.c: a file cut short between two checks makes the
+// copy of its lost pages fault; while a copy runs, a SIGBUS in its thread ends the copy and
+// the kernel fails instead. Any other SIGBUS goes to the handler installed before.
+thread_local sigjmp_buf* bus_target = nullptr;
+struct sigaction previous_bus;
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  sigjmp_buf* target = bus_target;
+  if (target != nullptr) {
+    bus_target = nullptr;
+    siglongjmp(*target, 1);
+  }
+  if (previous_bus.sa_flags & SA_SIGINFO) {
+    previous_bus.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
+    previous_bus.sa_handler(sig);
+    return;
+  }
+  sigaction(SIGBUS, &previous_bus, nullptr);  // default: the fault recurs and ends the process
+  if (info == nullptr || info->si_code <= 0) raise(sig);
+}
+
+const bool bus_guard_installed = [] {
+  struct sigaction action;
+  std::memset(&action, 0, sizeof action);
+  action.sa_sigaction = OnSigbus;
+  action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+  sigemptyset(&action.sa_mask);
+  return sigaction(SIGBUS, &action, &previous_bus) == 0;
+}();
+
+// Strings [i, stop) copied from base; returns false if a SIGBUS cut the copy short (the
+// strings then hold what was copied, and the kernel fails).
+bool CopyStrings(tstring* strings, const char* base, const int64_t* pos, const int64_t* len,
+                 int64_t i, int64_t stop, int64_t n) {
+  sigjmp_buf target;
+  if (sigsetjmp(target, 0) != 0) return false;  // the handler cleared bus_target
+  bus_target = &target;
+  for (; i < stop; ++i) {
+    if (i + kPrefetchAhead < n) {  // the source of a later string, requested meanwhile
+      __builtin_prefetch(base + pos[i + kPrefetchAhead], 0, 0);
+      __builtin_prefetch(base + pos[i + kPrefetchAhead] + 64, 0, 0);
+    }
+    strings[i].resize_uninitialized(static_cast<size_t>(len[i]));
+    if (len[i]) std::memcpy(strings[i].mdata(), base + pos[i], static_cast<size_t>(len[i]));
+  }
+  bus_target = nullptr;
+  return true;
+}
+
 class GatherBytesOp : public OpKernel {
  public:
   explicit GatherBytesOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -119,19 +173,20 @@ class GatherBytesOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
     tstring* strings = out->flat<tstring>().data();
     const char* base = reinterpret_cast<const char*>(values.flat<uint8_t>().data());
-    int64_t unchecked = 0;  // bytes copied since the file was last checked
-    for (int64_t i = 0; i < n; ++i) {
-      if (unchecked > kCheckBytes) {  // keep the window of a truncation short
-        OP_REQUIRES_OK(ctx, CheckFile(ctx->input(3), ctx->input(4)));
-        unchecked = 0;
+    for (int64_t i = 0; i < n;) {
+      // Up to kCheckBytes at a time, each stretch after a check of the file: a truncation
+      // is mostly seen before the copy that would fault.
+      int64_t stop = i, bytes = 0;
+      while (stop < n && bytes <= kCheckBytes) bytes += len[stop++] + 64;
+      if (i) OP_REQUIRES_OK(ctx, CheckFile(ctx->input(3), ctx->input(4)));
+      if (!CopyStrings(strings, base, pos, len, i, stop, n)) {
+        OP_REQUIRES_OK(ctx, CheckFile(ctx->input(3), ctx->input(4)));  // names the file
+        ctx->CtxFailure(absl::DataLossError(absl::StrCat(
+            "the ", size, " mapped bytes the strings are copied from could not be read "
+            "(SIGBUS: the file under the map was cut short)")));
+        return;
       }
-      unchecked += len[i] + 64;
-      if (i + kPrefetchAhead < n) {  // the source of a later string, requested meanwhile
-        __builtin_prefetch(base + pos[i + kPrefetchAhead], 0, 0);
-        __builtin_prefetch(base + pos[i + kPrefetchAhead] + 64, 0, 0);
-      }
-      strings[i].resize_uninitialized(static_cast<size_t>(len[i]));
-      if (len[i]) std::memcpy(strings[i].mdata(), base + pos[i], static_cast<size_t>(len[i]));
+      i = stop;
     }
   }
 };
