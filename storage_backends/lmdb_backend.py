@@ -26,8 +26,12 @@ the per-process and fork ones):
   it was truncated by an outside fault: every read, and ``check_mapped``
   before each batch gathered from views of it, compares the open file's size
   (one ``fstat``) and raises ``CorruptCacheError`` instead of touching pages
-  that are gone (``SIGBUS``). A truncation between that check and the copy is
-  not caught: that race is documented, not closed.
+  that are gone (``SIGBUS``). A truncation between that check and the copy
+  faults inside yogastore's compiled copies and hashes, which catch it in their
+  thread (``MappedFault``); the reader then names the file.
+* The same holds for LMDB's lock file (its reader table, mapped by every
+  reader): a lock file smaller than at open is grown back (so that LMDB may end
+  its transactions) and reported as ``CorruptCacheError`` naming it.
 * A data file deleted or replaced by another process (``delete``, a rebuild)
   reads as missing keys, never as damage; a data file or version directory
   that is not a regular file (a FIFO, a device) is ``CorruptCacheError`` at
@@ -201,6 +205,14 @@ class _Env:
         self.write_checked = False  # structure checked before this process's first write
         self.unsynced = 0  # bytes committed since writeback was last started
         self.seen = os.fstat(fd).st_size  # LMDB never shrinks it: a smaller file is damage
+        # The lock file LMDB mapped (its reader table): cut short, LMDB's next touch of
+        # it (a read, or ending a read transaction) would be a SIGBUS, so its size is
+        # checked with the data file's.
+        try:
+            self.lock_fd: int | None = os.open(path / _LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+            self.lock_seen = os.fstat(self.lock_fd).st_size
+        except OSError:  # pragma: no cover - LMDB just opened it
+            self.lock_fd, self.lock_seen = None, 0
 
     # Reading ------------------------------------------------------------------
 
@@ -223,6 +235,26 @@ class _Env:
                 "process had it open (truncated by something other than LMDB)",
             )
         self.seen = st.st_size
+        if self.lock_fd is not None:
+            self._check_lock_file(self.lock_fd)
+
+    def _check_lock_file(self, fd: int) -> None:
+        """Raise ``CorruptCacheError`` if the lock file shrank (``mutex`` held).
+
+        It is grown back first, so that LMDB may end its transactions (they write
+        to their reader slots) without a SIGBUS.
+        """
+        size = os.fstat(fd).st_size
+        if size >= self.lock_seen:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, self.lock_seen)  # zeros: the reader table is lost, not the data
+        raise CorruptCacheError(
+            f"LMDB lock file {self.path / _LOCK_FILE} shrank from {self.lock_seen:,} to "
+            f"{size:,} bytes while this process had it open (truncated by something other "
+            "than LMDB); the data is not affected: end every process using this store and "
+            "open it again, which rebuilds the lock file"
+        )
 
     def _current(self) -> _Snapshot:
         """Return a snapshot of the last commit (call with ``mutex`` held)."""
@@ -485,6 +517,9 @@ class _Env:
             self.env.close()
             with contextlib.suppress(OSError):
                 os.close(self.fd)
+            if self.lock_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self.lock_fd)
 
 
 # Environments set aside while views of them may be alive (file deleted or

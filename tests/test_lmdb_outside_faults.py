@@ -111,6 +111,8 @@ MAPPED_FAULT = textwrap.dedent(
         "hash_blocks": lambda: _gather.hash_blocks(
             np.empty(3, np.uint64), [src], np.zeros(3, np.int64), starts, starts + 100),
     }
+    from yogastore.format.manifest import checksum  # hashes views with hash_blocks
+    calls["checksum"] = lambda: checksum(memoryview(m))
     out = {}
     for name, call in calls.items():
         try:
@@ -140,7 +142,41 @@ def test_mapped_bytes_cut_short_under_a_copy_raise_and_other_faults_still_kill(
     out = json.loads(proc.stdout.splitlines()[0])
     for name in ("gather_rows", "gather_ranges", "hash_blocks"):
         assert out[name].startswith(f"{name}: ") and "SIGBUS" in out[name], out
+    assert out["checksum"].startswith("hash_blocks: ") and "SIGBUS" in out["checksum"], out
     assert out["kept"] is True
+
+
+# A SIGBUS another thread or process sends (kill, si_code <= 0) is no fault of a
+# guarded copy: it must end the process as without the guard, even when it lands
+# while a copy runs, and never turn into a MappedFault of intact bytes.
+SENT_BUS = textwrap.dedent(
+    """
+    import signal, threading, time
+    import numpy as np
+    from yogastore import _gather
+    src = np.ones(64 << 20, np.uint8)
+    starts = np.arange(0, len(src), 4096, dtype=np.int64)
+    out = np.empty(len(starts), np.uint64)
+    which = np.zeros(len(starts), np.int64)
+    main = threading.get_ident()
+    threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGBUS)).start()
+    calls, deadline = 0, time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            _gather.hash_blocks(out, [src], which, starts, starts + 4096)
+            calls += 1
+        print("survived", calls)
+    except _gather.MappedFault as err:
+        print("taken for a fault after", calls, "calls:", err)
+    """
+)
+
+
+def test_a_sigbus_sent_by_kill_still_ends_the_process() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SENT_BUS], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr[-2000:])
 
 
 # The truncation lands after a gather's size check, while its bytes are copied
@@ -343,3 +379,37 @@ def test_delete_while_another_process_reads(tmp_path: Path) -> None:
     # Never "damaged", never wrong records: missing, changed, or read whole.
     assert set(result["seen"]) <= {"read", "DatasetNotFoundError", "DatasetChangedError"}, result
     assert result["last"] == 25_000  # the long-lived reader sees the last build
+
+
+# LMDB's lock file (its reader table, mapped by every reader) cut short under a
+# reader: the next read is an error naming it, not a SIGBUS inside LMDB, and the
+# process goes on (and ends) without one.
+LOCK_CUT = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np, yogastore
+    root = sys.argv[1]
+    ref = yogastore.Store(root).open("d", "1")
+    first = [int(e["x"][0]) for e in ref.stream(shuffle=False)]
+    os.truncate(os.path.join(root, "d", "1", "lock.mdb"), 0)
+    out = {"first": first == list(range(len(first)))}
+    try:
+        list(ref.stream(shuffle=True, seed=1))
+        out["after"] = "no error"
+    except yogastore.YogaStoreError as err:
+        out["after"] = [type(err).__name__, str(err)]
+    again = sorted(int(e["x"][0]) for e in ref.stream(shuffle=True, seed=2))
+    out["again"] = again == list(range(len(first)))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_lock_file_cut_short_under_a_reader_is_an_error_not_sigbus(tmp_path: Path) -> None:
+    build(tmp_path)
+    out = run(LOCK_CUT, str(tmp_path))  # exit 0: no SIGBUS then or at exit
+    assert out["first"] is True
+    kind, message = out["after"]
+    assert kind == "CorruptCacheError", message
+    assert str(tmp_path / "d" / "1" / "lock.mdb") in message and "shrank" in message, message
+    assert out["again"] is True  # the data is not affected

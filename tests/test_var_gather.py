@@ -353,12 +353,46 @@ _I64 = np.array([0, 6], np.int64)
         (lambda: StringBuffer(_DATA, np.array([0, 5, 11], np.int32), (2,)), "offsets"),
         (lambda: StringBuffer(_DATA.astype(np.int64), np.array([0, 5, 11]), (2,)), "data"),
         (lambda: StringBuffer(_DATA, np.array([0, 5, 11]), (2.0,)), "shape"),
+        # numpy dims whose product wraps around int64 to the count: taken as Python ints
+        (
+            lambda: StringRanges(_DATA, _I64, _I64, (np.int64(3), np.int64(6148914691236517206))),
+            "18446744073709551618 starts",
+        ),
+        (
+            lambda: StringBuffer(
+                _DATA, np.array([0, 5, 11]), (np.int64(3), np.int64(6148914691236517206))
+            ),
+            "18446744073709551619 offsets",
+        ),
     ],
 )
 def test_string_parts_of_the_wrong_kind_are_named(make: Any, named: str) -> None:
     # Hand-built batches with parts the kernels cannot read get an error naming the part,
     # never a copy of the wrong bytes.
     with pytest.raises(yogastore.UnsupportedElementError, match=named):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        # start + length wraps around int64 to a small number
+        (
+            lambda: StringRanges(_DATA, np.array([2**63 - 2, 6]), np.array([5, 5]), (2,)),
+            "outside the 11 bytes",
+        ),
+        (
+            lambda: StringRanges(_DATA, np.array([0, 6]), np.array([5, 6]), (2,)),
+            "outside the 11 bytes",
+        ),
+        (
+            lambda: StringBuffer(_DATA, np.array([0, 11, 5]), (2,)),
+            "offset 2 \\(5\\) is below offset 1 \\(11\\)",
+        ),
+    ],
+)
+def test_string_parts_out_of_bounds_are_refused_when_made(make: Any, named: str) -> None:
+    with pytest.raises(yogastore.CorruptCacheError, match=named):
         make()
 
 
@@ -369,6 +403,9 @@ def test_string_parts_of_the_right_kind_read_back() -> None:
     assert empty.to_buffer().to_numpy().shape == (0, 3)
     buf = StringBuffer(_DATA, np.array([0, 5, 11], np.int64), (np.int64(2),))
     assert buf.to_numpy().tolist() == [b"hello", b" world"]
+    assert buf.shape == (2,) and type(buf.shape[0]) is int
+    edge = StringRanges(_DATA, np.array([0, 11]), np.array([11, 0]), (2,))  # ends at the end
+    assert edge.to_numpy().tolist() == [b"hello world", b""]
 
 
 def test_empty_dataset_region_gathers(tmp_path: Path) -> None:

@@ -72,7 +72,10 @@ static PyObject *MappedFault;
 
 static void on_sigbus(int sig, siginfo_t *info, void *context) {
     sigjmp_buf *target = bus_target;
-    if (target != NULL) {
+    /* Only a fault of this thread's own access (si_code > 0, e.g. BUS_ADRERR)
+     * ends the copy; a SIGBUS sent by kill() (si_code <= 0) is not a fault of
+     * the copy and goes on as without the guard. */
+    if (target != NULL && info != NULL && info->si_code > 0) {
         bus_target = NULL;
         siglongjmp(*target, 1);
     }

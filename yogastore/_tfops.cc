@@ -99,7 +99,9 @@ struct sigaction previous_bus;
 
 void OnSigbus(int sig, siginfo_t* info, void* context) {
   sigjmp_buf* target = bus_target;
-  if (target != nullptr) {
+  // Only a fault of this thread's own access (si_code > 0) ends the copy; a SIGBUS sent by
+  // kill() (si_code <= 0) goes on as without the guard.
+  if (target != nullptr && info != nullptr && info->si_code > 0) {
     bus_target = nullptr;
     siglongjmp(*target, 1);
   }

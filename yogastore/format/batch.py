@@ -44,11 +44,15 @@ class StringFormat(enum.Enum):
     RANGES = "ranges"
 
 
-def _check_parts(kind: str, shape: Any, data: Any, **index: Any) -> None:
-    """Raise ``UnsupportedElementError`` unless a string batch's parts suit its kernels.
+def _check_parts(kind: str, shape: Any, data: Any, **index: Any) -> tuple[int, ...]:
+    """Return ``shape`` as Python ints if a string batch's parts suit its kernels.
 
     ``data`` must be a 1-D ``uint8`` array, each of ``index`` a 1-D ``int64`` array,
-    all C-contiguous, and ``shape`` a tuple of non-negative ints.
+    all C-contiguous, and ``shape`` a tuple of non-negative ints (numpy ints are
+    taken as Python ints, so that its product cannot wrap around).
+
+    Raises:
+        UnsupportedElementError: naming the part that is of the wrong kind.
     """
     if not isinstance(shape, tuple) or not all(
         isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -65,6 +69,7 @@ def _check_parts(kind: str, shape: Any, data: Any, **index: Any) -> None:
             raise UnsupportedElementError(
                 f"{kind} {name} must be a contiguous 1-D numpy int64 array, got {_describe(arr)}"
             )
+    return tuple(int(d) for d in shape)
 
 
 def _is_flat(value: Any, dtype: type) -> bool:
@@ -99,17 +104,24 @@ class StringBuffer:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        _check_parts("StringBuffer", self.shape, self.data, offsets=self.offsets)
+        shape = _check_parts("StringBuffer", self.shape, self.data, offsets=self.offsets)
+        object.__setattr__(self, "shape", shape)
         n = len(self.offsets) - 1
-        if n < 0 or math.prod(self.shape) != n:
+        if n < 0 or math.prod(shape) != n:
             raise UnsupportedElementError(
-                f"StringBuffer of shape {self.shape} needs {math.prod(self.shape) + 1} offsets, "
+                f"StringBuffer of shape {shape} needs {math.prod(shape) + 1} offsets, "
                 f"got {len(self.offsets)}"
             )
         if n and (self.offsets[0] != 0 or self.offsets[-1] > len(self.data)):
             raise CorruptCacheError(
                 f"StringBuffer offsets run from {self.offsets[0]} to {self.offsets[-1]}, "
                 f"the buffer holds {len(self.data)} bytes"
+            )
+        if n > 1 and bool(np.any(self.offsets[1:] < self.offsets[:-1])):
+            at = int(np.flatnonzero(self.offsets[1:] < self.offsets[:-1])[0])
+            raise CorruptCacheError(
+                f"StringBuffer offsets must ascend: offset {at + 1} ({self.offsets[at + 1]}) "
+                f"is below offset {at} ({self.offsets[at]})"
             )
 
     def __len__(self) -> int:
@@ -142,19 +154,21 @@ class StringRanges:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        _check_parts(
+        shape = _check_parts(
             "StringRanges", self.shape, self.data, starts=self.starts, lengths=self.lengths
         )
+        object.__setattr__(self, "shape", shape)
         n = len(self.starts)
-        if len(self.lengths) != n or math.prod(self.shape) != n:
+        if len(self.lengths) != n or math.prod(shape) != n:
             raise UnsupportedElementError(
-                f"StringRanges of shape {self.shape} needs {math.prod(self.shape)} starts and "
+                f"StringRanges of shape {shape} needs {math.prod(shape)} starts and "
                 f"lengths, got {n} and {len(self.lengths)}"
             )
+        # starts > size - lengths, not starts + lengths > size: the sum may wrap around.
         if n and (
             int(self.starts.min()) < 0
             or int(self.lengths.min()) < 0
-            or int((self.starts + self.lengths).max()) > len(self.data)
+            or bool(np.any(self.starts > len(self.data) - self.lengths))
         ):
             raise CorruptCacheError(
                 f"StringRanges reach outside the {len(self.data)} bytes they lie in"

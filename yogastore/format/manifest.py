@@ -24,6 +24,11 @@ from yogastore.checks import check_int
 from yogastore.format import ColumnSpec, columns_for
 from yogastore.spec import Schema
 
+try:  # the compiled, SIGBUS-guarded hash; without it xxhash does the same
+    from yogastore import _gather
+except ImportError:  # pragma: no cover - the package builds it on install
+    _gather = None  # type: ignore[assignment]
+
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
@@ -47,11 +52,22 @@ _CHECKSUM = re.compile(r"xxh3_64:[0-9a-f]{16}")
 #: small enough that every index, permutation and count fits an int64 with room to spare.
 MAX_RECORDS = (1 << 48) - 1
 _HEX = re.compile(r"[0-9a-f]*")
+_ZERO = np.zeros(1, np.int64)
 
 
 def checksum(data: bytes | memoryview) -> str:
-    """Return the checksum string recorded for ``data``."""
-    return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
+    """Return the checksum string recorded for ``data``.
+
+    A view (perhaps of a memory-mapped file) is hashed by the compiled, guarded
+    hash: a file cut short under it raises ``MappedFault`` (an ``OSError``) for
+    the caller to name, instead of ending the process with SIGBUS.
+    """
+    if _gather is None or isinstance(data, bytes):
+        return f"xxh3_64:{xxhash.xxh3_64_hexdigest(data)}"
+    view = memoryview(data).cast("B")
+    digest = np.empty(1, np.uint64)
+    _gather.hash_blocks(digest, [view], _ZERO, _ZERO, np.array([view.nbytes], np.int64))
+    return f"xxh3_64:{int(digest[0]):016x}"
 
 
 def manifest_key(dataset_id: str, version: str) -> str:

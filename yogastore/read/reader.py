@@ -212,17 +212,25 @@ def verify_chunk(manifest: Manifest, chunk: int, data: bytes | memoryview) -> No
     whole fetches of remote reads (local reads check blocks instead).
 
     Raises:
-        CorruptCacheError: wrong length or checksum mismatch.
+        CorruptCacheError: wrong length, checksum mismatch, or bytes that could not be
+            read (a mapped file cut short while it was hashed).
     """
     info = manifest.chunks[chunk]
     check_length(manifest, chunk, data)
-    if checksum(data) != info.checksum:
+    try:
+        whole = checksum(data)
+        index = checksum(memoryview(data)[: info.index_bytes])
+    except MappedFault as err:  # a mapped file cut short while it was hashed
+        raise CorruptCacheError(
+            f"{manifest.where} chunk {chunk} ({info.key}): its bytes could not be read: {err}"
+        ) from err
+    if whole != info.checksum:
         raise CorruptCacheError(
             f"{manifest.where} chunk {chunk} ({info.key}): checksum mismatch; the cache is "
             "corrupted, delete and rebuild this version"
         )
     # What local reads check first: a chunk that passes here reads without error.
-    if checksum(memoryview(data)[: info.index_bytes]) != info.index_checksum:
+    if index != info.index_checksum:
         raise CorruptCacheError(
             f"{manifest.where} chunk {chunk} ({info.key}): index (bytes [0, {info.index_bytes})) "
             "does not match the manifest's index checksum; the cache is corrupted, delete and "
