@@ -14,7 +14,7 @@ import tensorflow as tf
 import yogastore
 from yogastore import StringBuffer, StringFormat, StringRanges
 from yogastore._gather import gather_ranges, split_bytes
-from yogastore.format import ChunkBuilder, ChunkView, ColumnSpec
+from yogastore.format import ChunkBuilder, ChunkView, ColumnSpec, reshape_values
 from yogastore.format.memory import VarRows, _segments
 
 N = 240
@@ -394,6 +394,18 @@ def test_string_parts_of_the_wrong_kind_are_named(make: Any, named: str) -> None
 def test_string_parts_out_of_bounds_are_refused_when_made(make: Any, named: str) -> None:
     with pytest.raises(yogastore.CorruptCacheError, match=named):
         make()
+
+
+def test_string_batches_reshape_only_to_their_count() -> None:
+    buf = StringBuffer(_DATA, np.array([0, 5, 5, 11], np.int64), (3,))
+    ranges = StringRanges(_DATA, np.array([0, 5, 5]), np.array([5, 0, 6]), (3,))
+    for values in (buf, ranges):
+        got = reshape_values(values, (np.int64(1), -1))
+        assert got.shape == (1, 3) and all(type(d) is int for d in got.shape)
+        assert got.to_numpy().tolist() == [[b"hello", b"", b" world"]]
+        for wrong in ((2, 2), (4,), (-3, -1)):
+            with pytest.raises(yogastore.UnsupportedElementError, match="cannot reshape"):
+                reshape_values(values, wrong)
 
 
 def test_string_parts_of_the_right_kind_read_back() -> None:

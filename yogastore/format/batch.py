@@ -124,6 +124,15 @@ class StringBuffer:
                 f"is below offset {at} ({self.offsets[at]})"
             )
 
+    @classmethod
+    def _made(cls, data: np.ndarray, offsets: np.ndarray, shape: tuple[int, ...]) -> StringBuffer:
+        """One made by the library from parts it checked or built (no checks: per batch)."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "data", data)
+        object.__setattr__(out, "offsets", offsets)
+        object.__setattr__(out, "shape", shape)
+        return out
+
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 1
 
@@ -174,6 +183,18 @@ class StringRanges:
                 f"StringRanges reach outside the {len(self.data)} bytes they lie in"
             )
 
+    @classmethod
+    def _made(
+        cls, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, shape: tuple[int, ...]
+    ) -> StringRanges:
+        """One made by the library from parts it checked or built (no checks: per batch)."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "data", data)
+        object.__setattr__(out, "starts", starts)
+        object.__setattr__(out, "lengths", lengths)
+        object.__setattr__(out, "shape", shape)
+        return out
+
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 1
 
@@ -191,7 +212,7 @@ class StringRanges:
                 f"StringRanges.to_buffer: the stored bytes these strings lie in are gone "
                 f"(their file was cut short after the batch was handed out): {err}"
             ) from err
-        return StringBuffer(out, offsets, self.shape)
+        return StringBuffer._made(out, offsets, self.shape)
 
     def to_numpy(self) -> np.ndarray:
         """Return the strings as a numpy object array of ``bytes`` of ``shape``."""
@@ -280,13 +301,13 @@ class ColumnBatch:
                 starts, lengths = self.boffsets[:-1], np.diff(self.boffsets)
             else:  # pragma: no cover - bytes columns have one or the other
                 raise UnsupportedElementError("not a string column")
-            return StringRanges(self.data, starts, lengths, (len(starts),))
+            return StringRanges._made(self.data, starts, lengths, (len(starts),))
         if self.ranges is not None:
             return self._copied().values(strings)
         if strings is StringFormat.BUFFERS:
             if self.boffsets is None:  # pragma: no cover - bytes columns have them
                 raise UnsupportedElementError("not a string column")
-            return StringBuffer(self.data, self.boffsets, (len(self.boffsets) - 1,))
+            return StringBuffer._made(self.data, self.boffsets, (len(self.boffsets) - 1,))
         return self.strings()
 
     def stacked(self, where: str, strings: StringFormat = StringFormat.OBJECTS) -> Any:
@@ -320,6 +341,9 @@ def reshape_values(values: Any, shape: tuple[int, ...]) -> Any:
         count = math.prod(values.shape)
         missing = count // known if known else 0
         shape = tuple(missing if d == -1 else d for d in shape)
+    shape = tuple(int(d) for d in shape)
+    if min(shape, default=0) < 0 or math.prod(shape) != math.prod(values.shape):
+        raise UnsupportedElementError(f"cannot reshape {values.shape} strings to {shape}")
     if isinstance(values, StringRanges):
-        return StringRanges(values.data, values.starts, values.lengths, shape)
-    return StringBuffer(values.data, values.offsets, shape)
+        return StringRanges._made(values.data, values.starts, values.lengths, shape)
+    return StringBuffer._made(values.data, values.offsets, shape)

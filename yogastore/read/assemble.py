@@ -142,14 +142,14 @@ def slice_rows(values: Any, start: int, stop: int) -> Any:
     per = math.prod(values.shape[1:])
     if isinstance(values, StringRanges):
         a, b = start * per, stop * per
-        return StringRanges(
+        return StringRanges._made(
             values.data, values.starts[a:b], values.lengths[a:b], (stop - start, *values.shape[1:])
         )
     if not isinstance(values, StringBuffer):
         return values[start:stop]
     offsets = values.offsets[start * per : stop * per + 1]
     data = values.data[int(offsets[0]) : int(offsets[-1])]
-    return StringBuffer(data, offsets - offsets[0], (stop - start, *values.shape[1:]))
+    return StringBuffer._made(data, offsets - offsets[0], (stop - start, *values.shape[1:]))
 
 
 def batch_length(schema: Schema, comps: Sequence[Any]) -> int:
