@@ -219,6 +219,42 @@ def test_file_cut_short_while_a_batch_is_copied_is_an_error(tmp_path: Path) -> N
     assert str(tmp_path / "d" / "1" / "data.mdb") in message and "shrank" in message, message
 
 
+# A copy to another store reads each chunk's mapped bytes; the truncation lands
+# after the checks of opening and getting the chunk (the views taken before it
+# stand for that race).
+COPY_RACED = textwrap.dedent(
+    """
+    import json, os, sys
+    import yogastore
+    root, dst = sys.argv[1], sys.argv[2]
+    store = yogastore.Store(root)
+    ref = store.open("d", "1")
+    views = {c.key: store.backend.get(c.key) for c in ref.manifest.chunks}
+    os.truncate(os.path.join(root, "d", "1", "data.mdb"), 8192)
+    store.open = lambda *args, **kwargs: ref
+    store.backend.get = views.__getitem__
+    out = {}
+    try:
+        store.copy("d", "1", to=yogastore.Store(dst))
+        out["copy"] = "no error"
+    except yogastore.YogaStoreError as err:
+        out["copy"] = [type(err).__name__, str(err)]
+    out["copied"] = [e.version for e in yogastore.Store(dst).list()]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_file_cut_short_while_a_copy_reads_it_is_an_error(tmp_path: Path) -> None:
+    build(tmp_path / "src")
+    out = run(COPY_RACED, str(tmp_path / "src"), str(tmp_path / "dst"))
+    kind, message = out["copy"]
+    assert kind == "CorruptCacheError", message
+    assert str(tmp_path / "src" / "d" / "1" / "data.mdb") in message, message
+    assert "shrank" in message, message
+    assert out["copied"] == []  # nothing half-copied is left as a version
+
+
 # A StringRanges batch is a view of the mapped file: copied after the file was
 # cut short, it is an error, not a SIGBUS.
 RANGES_KEPT = textwrap.dedent(

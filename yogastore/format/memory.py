@@ -55,6 +55,7 @@ __all__ = [
     "copy_ranges",
     "copy_rows",
     "gather_views",
+    "owned_bytes",
     "record_ranges",
 ]
 
@@ -91,6 +92,20 @@ def copy_ranges(dst: np.ndarray, src: np.ndarray, starts: IntArray, lengths: Int
     total = int(lengths.sum())  # pragma: no cover
     flat[:total] = src[_segments(starts, lengths)]  # pragma: no cover
     return total  # pragma: no cover
+
+
+def owned_bytes(data: bytes | memoryview) -> bytes:
+    """Return ``data`` as ``bytes`` of their own, read with the compiled range copy.
+
+    For a view that maps a file: a file cut short under the copy raises
+    ``MappedFault`` instead of SIGBUS (a plain ``bytes(view)`` would not).
+    """
+    if isinstance(data, bytes):
+        return data
+    src = np.frombuffer(data, np.uint8)
+    out = np.empty(len(src), np.uint8)
+    copy_ranges(out, src, np.zeros(1, np.int64), np.full(1, len(src), np.int64))
+    return out.tobytes()
 
 
 def _address(a: np.ndarray) -> int:
