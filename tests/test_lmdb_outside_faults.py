@@ -255,6 +255,39 @@ def test_file_cut_short_while_a_copy_reads_it_is_an_error(tmp_path: Path) -> Non
     assert out["copied"] == []  # nothing half-copied is left as a version
 
 
+# `yogastore verify` meets a data file cut short after its first chunk: one
+# error naming the file, not a "damaged" line for every chunk after it.
+VERIFY_RACED = textwrap.dedent(
+    """
+    import contextlib, io, json, os, sys
+    from yogastore import cli
+    root = sys.argv[1]
+    data = os.path.join(root, "d", "1", "data.mdb")
+    made = []
+    def cut_after_first(*args, **kwargs):
+        view = real(*args, **kwargs)
+        if not made:
+            os.truncate(data, 8192)
+        made.append(view)
+        return view
+    real, cli.ChunkView = cli.ChunkView, cut_after_first
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main(["--store", root, "verify", "d", "1"])
+    print(json.dumps({"rc": rc, "stderr": err.getvalue().splitlines(), "chunks": len(made)}))
+    """
+)
+
+
+def test_file_cut_short_during_verify_is_one_error(tmp_path: Path) -> None:
+    build(tmp_path)
+    out = run(VERIFY_RACED, str(tmp_path))
+    assert out["rc"] == 1 and out["chunks"] == 1, out
+    [line] = out["stderr"]
+    assert line.startswith("error: ") and "shrank" in line, line
+    assert str(tmp_path / "d" / "1" / "data.mdb") in line, line
+
+
 # A StringRanges batch is a view of the mapped file: copied after the file was
 # cut short, it is an error, not a SIGBUS.
 RANGES_KEPT = textwrap.dedent(

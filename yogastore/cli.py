@@ -75,8 +75,12 @@ def _verify(store: Store, dataset_id: str, version: str) -> int:
             damaged += 1
             print(f"damaged: {where}: missing", file=sys.stderr)
         except CorruptCacheError as err:
+            # A file of the store that shrank fails every chunk after it: one error, not one
+            # line per chunk.
+            store.backend.check_mapped(info.key)
             damaged += 1
-            print(f"damaged: {err}", file=sys.stderr)
+            text = str(err)
+            print(f"damaged: {text if where in text else f'{where}: {text}'}", file=sys.stderr)
     if damaged:
         print(
             f"{dataset_id}/{version}: {damaged} of {len(ref.manifest.chunks)} chunks damaged; "
