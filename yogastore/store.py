@@ -43,7 +43,7 @@ from yogastore.build.progress import Progress, default_progress
 from yogastore.build.writer import new_build_id, records_from_iterable, write_dataset
 from yogastore.checks import check_int, explain_keyword_only
 from yogastore.format.manifest import Manifest, manifest_key, validate_name
-from yogastore.format.memory import MappedFault, owned_bytes
+from yogastore.format.memory import MappedFault, owned_copy
 from yogastore.paths import default_root
 from yogastore.read.order import Shuffle
 from yogastore.read.read_options import ReadOptions
@@ -1018,7 +1018,7 @@ class Store:
         def upload() -> Manifest:
             for i, info in enumerate(ref.manifest.chunks):
                 try:
-                    data = owned_bytes(self.backend.get(info.key))
+                    data = owned_copy(self.backend.get(info.key))
                 except MappedFault as err:  # the source's file was cut short meanwhile
                     self.backend.check_mapped(info.key)  # names it when it stays short
                     raise CorruptCacheError(

@@ -55,7 +55,7 @@ __all__ = [
     "copy_ranges",
     "copy_rows",
     "gather_views",
-    "owned_bytes",
+    "owned_copy",
     "record_ranges",
 ]
 
@@ -94,8 +94,8 @@ def copy_ranges(dst: np.ndarray, src: np.ndarray, starts: IntArray, lengths: Int
     return total  # pragma: no cover
 
 
-def owned_bytes(data: bytes | memoryview) -> bytes:
-    """Return ``data`` as ``bytes`` of their own, read with the compiled range copy.
+def owned_copy(data: bytes | memoryview) -> bytes | memoryview:
+    """Return ``data`` in memory of its own (``bytes`` as they are), copied by the compiled copy.
 
     For a view that maps a file: a file cut short under the copy raises
     ``MappedFault`` instead of SIGBUS (a plain ``bytes(view)`` would not).
@@ -105,7 +105,7 @@ def owned_bytes(data: bytes | memoryview) -> bytes:
     src = np.frombuffer(data, np.uint8)
     out = np.empty(len(src), np.uint8)
     copy_ranges(out, src, np.zeros(1, np.int64), np.full(1, len(src), np.int64))
-    return out.tobytes()
+    return out.data  # a memoryview of the copy
 
 
 def _address(a: np.ndarray) -> int:
