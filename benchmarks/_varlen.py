@@ -514,9 +514,9 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
     and the batches per Python call.
 
     No reading, no checks, the same hand-over as (b): ``k`` batches per Python call (about
-    8 MiB), strings as one aligned byte buffer (wrapped by TensorFlow, not copied) plus
-    starts and lengths, cut by the library's TensorFlow kernel in a parallel map (as
-    ``[k, batch]`` arrays of ``bytes`` when the kernel is not built),
+    32 MiB, at most 256 batches), strings as one aligned byte buffer (wrapped by TensorFlow,
+    not copied) plus starts and lengths, cut by the library's TensorFlow kernel in a
+    parallel map (as ``[k, batch]`` arrays of ``bytes`` when the kernel is not built),
     ragged tokens as values and row splits of ``k * batch`` rows, regrouped in the graph,
     split by ``unbatch``. What any reader that hands Python-held bytes to tf.data this way
     pays, so (b0)/(a) bounds (b)/(a), and (b0'), consumed in the graph, bounds (b').
@@ -524,7 +524,7 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
     import tensorflow as tf
 
     from yogastore.train import tf_ops
-    from yogastore.train.tf_read import _GROUP_BYTES, _MAX_GROUP, _finish
+    from yogastore.train.tf_read import _VAR_GROUP_BYTES, _VAR_MAX_GROUP, _finish
 
     case = ctx.case
     text = case.kind == "text"
@@ -533,7 +533,7 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
     size = case.batch_size
     order = stream_indices(ctx.ref, case, 1)
     per_record = ctx.ref.manifest.nbytes / max(1, ctx.ref.num_records)
-    k = max(1, min(_MAX_GROUP, round(_GROUP_BYTES / max(1.0, per_record * size))))
+    k = max(1, min(_VAR_MAX_GROUP, round(_VAR_GROUP_BYTES / max(1.0, per_record * size))))
     groups: list[tuple[Any, ...]] = []
     for start in range(0, len(order), size * k):
         idx = order[start : start + size * k]

@@ -152,7 +152,7 @@ def test_strings_are_handed_to_tf_data_in_groups_growing_from_one_batch(
     stream._gathered = counted  # type: ignore[method-assign]
     got = list(stream.to_tf_dataset(batch, drop_remainder))
     order = np.concatenate(list(ref.stream(0, 2, shuffle=True, seed=9).record_indices(1)))
-    k = tf_read._MAX_GROUP
+    k = tf_read._VAR_MAX_GROUP
     full = len(order) // batch
     assert full > 2 * k, "the case must reach full groups"
     doubling = [batch << i for i in range(k.bit_length() - 1)]  # 1, 2, 4, ... k / 2 batches

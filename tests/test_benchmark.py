@@ -286,6 +286,26 @@ def test_profile_build_reports_a_real_build(
     assert list(tmp_path.iterdir()) == []  # the store is deleted afterwards
 
 
+def test_var_groups_times_both_group_sizes_and_restores_the_bridge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import var_groups
+    from yogastore.train import tf_read
+
+    size = (tf_read._VAR_GROUP_BYTES, tf_read._VAR_MAX_GROUP)
+    argv = ["--cases", "text", "--text-records", "4000", "--rounds", "2"]
+    assert var_groups.main([*argv, "--work-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rounds = [line for line in out.splitlines() if "text round" in line]
+    assert len(rounds) == 2
+    for line in rounds:  # every row timed in every round, each run's records checked
+        rates = [float(p.split(") ")[1].replace(",", "")) for p in line.split(": ")[1].split(", ")]
+        assert len(rates) == 3 and min(rates) > 0
+    assert "(b32)/(b8) " in out
+    assert size == (tf_read._VAR_GROUP_BYTES, tf_read._VAR_MAX_GROUP)
+    assert list(tmp_path.iterdir()) == []  # the stores are deleted afterwards
+
+
 def test_fresh_writes_times_both_rounds_and_leaves_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
