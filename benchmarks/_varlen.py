@@ -524,7 +524,7 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
     import tensorflow as tf
 
     from yogastore.train import tf_ops
-    from yogastore.train.tf_read import _VAR_GROUP_BYTES, _VAR_MAX_GROUP, _finish
+    from yogastore.train.tf_read import _VAR_GROUP_BYTES, _VAR_MAX_GROUP, _VAR_MIN_DEPTH, _finish
 
     case = ctx.case
     text = case.kind == "text"
@@ -590,7 +590,7 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
         ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
         if kernel is not None:
             ds = ds.map(regroup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = _finish(ds, group_bytes)
+        ds = _finish(ds, group_bytes, min_depth=_VAR_MIN_DEPTH)
         if kernel is None:
             ds = ds.map(regroup)
         return ds.unbatch()

@@ -292,7 +292,7 @@ def test_var_groups_times_both_group_sizes_and_restores_the_bridge(
     from benchmarks import var_groups
     from yogastore.train import tf_read
 
-    size = (tf_read._VAR_GROUP_BYTES, tf_read._VAR_MAX_GROUP)
+    size = (tf_read._VAR_GROUP_BYTES, tf_read._VAR_MAX_GROUP, tf_read._VAR_MIN_DEPTH)
     argv = ["--cases", "text", "--text-records", "4000", "--rounds", "2"]
     assert var_groups.main([*argv, "--work-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -302,8 +302,13 @@ def test_var_groups_times_both_group_sizes_and_restores_the_bridge(
         rates = [float(p.split(") ")[1].replace(",", "")) for p in line.split(": ")[1].split(", ")]
         assert len(rates) == 3 and min(rates) > 0
     assert "(b32)/(b8) " in out
-    assert size == (tf_read._VAR_GROUP_BYTES, tf_read._VAR_MAX_GROUP)
+    memory = out.split("peak anonymous memory while reading: ")[1].splitlines()[0]
+    assert [m.split(")")[0] for m in memory.split(", ")] == ["(b8", "(b32", "(z"]
+    assert size == (tf_read._VAR_GROUP_BYTES, tf_read._VAR_MAX_GROUP, tf_read._VAR_MIN_DEPTH)
     assert list(tmp_path.iterdir()) == []  # the stores are deleted afterwards
+    for bad in ("b8,b8", "b16", ""):
+        with pytest.raises(SystemExit, match="--rows"):
+            var_groups.main([*argv, "--rows", bad])
 
 
 def test_fresh_writes_times_both_rounds_and_leaves_nothing(
@@ -365,10 +370,11 @@ def test_build_parts_times_puts_strings_and_builds_in_processes_of_their_own(
 
 
 def _pipeline(ds: Any) -> list[str]:
-    """The kinds of the datasets ``ds`` is made of, outermost first."""
+    """The kinds of the datasets ``ds`` is made of, outermost first (with prefetch depths)."""
     out = []
     while ds is not None:
-        out.append(type(ds).__name__)
+        depth = getattr(ds, "_buffer_size", None)
+        out.append(type(ds).__name__ + ("" if depth is None else f"({int(depth)})"))
         ds = getattr(ds, "_input_dataset", None)
     return out
 

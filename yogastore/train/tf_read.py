@@ -28,17 +28,18 @@ _UNBATCH_INTERNAL = 256
 _GROUP_BYTES = 8 << 20  # fixed-shape records handed to tf.data per Python call, about
 _MAX_GROUP = 64  # batches per Python call, at most
 # Strings and ragged components: larger groups. Each group costs the generator Python work
-# that holds the GIL, in many short stretches, whatever the group's size; a Python loop
-# taking the batches waits for it. Four times fewer groups read small records about 10%
-# faster through such a loop (texts of 50-500 B; see the README's variable-length section),
-# for about 100-250 MB more read ahead.
+# that holds the GIL, in many short stretches, whatever the group's size, and a Python loop
+# taking the batches waits for it: four times fewer groups read texts of 50-500 B and
+# records of 2-24 KiB faster through such a loop (benchmarks/var_groups.py; the README's
+# "Group size").
 _VAR_GROUP_BYTES = 32 << 20
 _VAR_MAX_GROUP = 256
+_VAR_MIN_DEPTH = 1  # groups read ahead beside those in the kernel's map, at least
 _PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
 _MAX_PREFETCH = 8
 
 
-def _finish(ds: tf.data.Dataset, element_bytes: int) -> tf.data.Dataset:
+def _finish(ds: tf.data.Dataset, element_bytes: int, min_depth: int = 2) -> tf.data.Dataset:
     """Prefetch a fixed number of elements and switch the tf.data autotuner off.
 
     On a 2-core machine the autotuner's model thread competes with the
@@ -50,9 +51,9 @@ def _finish(ds: tf.data.Dataset, element_bytes: int) -> tf.data.Dataset:
     into batches after this, in the consumer's thread: the read runs ahead by
     whole groups, and batches are not each handed from one thread to another,
     a cost per batch that decides the rate of small records (see the README's
-    speed sections).
+    speed sections). ``min_depth`` elements are read ahead whatever their size.
     """
-    depth = max(2, min(_MAX_PREFETCH, _PREFETCH_BYTES // max(1, element_bytes)))
+    depth = max(min_depth, min(_MAX_PREFETCH, _PREFETCH_BYTES // max(1, element_bytes)))
     options = tf.data.Options()
     options.autotune.enabled = False
     return ds.prefetch(depth).with_options(options)
@@ -351,8 +352,9 @@ def _grouped_dataset(
     if any(buffers):  # the kernel's copies run on tf.data threads, beside the generator
         ds = ds.map(regroup_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     # Whole groups are read ahead and split into batches as they are taken (without the
-    # kernel the map is cheap and runs after the read-ahead, with the split).
-    ds = _finish(ds, round(per_record * size * k))
+    # kernel the map is cheap and runs after the read-ahead, with the split). One group of
+    # _VAR_GROUP_BYTES ahead, beside those in the map, reads as fast as two and holds less.
+    ds = _finish(ds, round(per_record * size * k), min_depth=_VAR_MIN_DEPTH)
     if not any(buffers):
         ds = ds.map(regroup_fn)
     return ds.unbatch()
