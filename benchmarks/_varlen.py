@@ -524,7 +524,7 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
     import tensorflow as tf
 
     from yogastore.train import tf_ops
-    from yogastore.train.tf_read import _VAR_GROUP_BYTES, _VAR_MAX_GROUP, _VAR_MIN_DEPTH, _finish
+    from yogastore.train.tf_read import _VAR_MIN_DEPTH, _finish, _var_group_factor
 
     case = ctx.case
     text = case.kind == "text"
@@ -533,7 +533,7 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
     size = case.batch_size
     order = stream_indices(ctx.ref, case, 1)
     per_record = ctx.ref.manifest.nbytes / max(1, ctx.ref.num_records)
-    k = max(1, min(_VAR_MAX_GROUP, round(_VAR_GROUP_BYTES / max(1.0, per_record * size))))
+    k = _var_group_factor(ctx.ref, size)
     groups: list[tuple[Any, ...]] = []
     for start in range(0, len(order), size * k):
         idx = order[start : start + size * k]

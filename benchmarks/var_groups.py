@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import _varlen
-from benchmarks._common import Case, Tally, stream_indices
+from benchmarks._common import Case, Tally, _status_mib, peak_rss_mib, stream_indices
 
 SIZES = {"text": (2_200_000, 275 + 4 * 55), "images": (80_000, 13 << 10)}
 EPOCHS = 4
@@ -72,14 +71,6 @@ def build(directory: str, name: str, records: int) -> None:
     yogastore.Store(directory).cache(_varlen.DATASET, "1", lambda: _varlen.memory_source(recs))
 
 
-def _anon_mib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) // 1024
-    return 0
-
-
 def _timed(make: Any, expected: np.ndarray, peak: list[int]) -> float:
     """Read ``make()`` once with the Python loop; raise its records/s; keep its peak memory."""
     tally = Tally()
@@ -87,7 +78,7 @@ def _timed(make: Any, expected: np.ndarray, peak: list[int]) -> float:
     for i, batch in enumerate(make()):
         tally.add(np.asarray(batch["y"]))
         if i % 16 == 0:
-            peak[0] = max(peak[0], _anon_mib())
+            peak[0] = max(peak[0], int(_status_mib("RssAnon") or 0))
     seconds = time.perf_counter() - start
     check = tally.check(expected)
     if not check["ok"]:
@@ -180,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if len(rows) == 1:
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-        print(f"peak RSS of this process (mapped file pages included): {peak_rss:,} MiB")
+        peak_rss = peak_rss_mib()
+        print(f"peak RSS of this process (mapped file pages included): {peak_rss:,.0f} MiB")
     return 0
 
 

@@ -39,6 +39,12 @@ _PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
 _MAX_PREFETCH = 8
 
 
+def _var_group_factor(ref: Any, batch_size: int) -> int:
+    """Batches per Python call for strings and ragged records of ``ref`` (``_VAR_*``)."""
+    per_record = float(ref.manifest.nbytes) / max(1, int(ref.num_records))
+    return max(1, min(_VAR_MAX_GROUP, round(_VAR_GROUP_BYTES / max(1.0, per_record * batch_size))))
+
+
 def _finish(ds: tf.data.Dataset, element_bytes: int, min_depth: int = 2) -> tf.data.Dataset:
     """Prefetch a fixed number of elements and switch the tf.data autotuner off.
 
@@ -241,7 +247,7 @@ def _grouped_dataset(
     where = stream.ref.manifest.where
     size = batch_size
     per_record = stream.ref.manifest.nbytes / max(1, stream.ref.num_records)
-    k = max(1, min(_VAR_MAX_GROUP, round(_VAR_GROUP_BYTES / max(1.0, per_record * size))))
+    k = _var_group_factor(stream.ref, size)
     if type(stream).column_batches is not Stream.column_batches:
         k = 1  # a subclass may give batches a meaning of their own (steps, padding)
     static = size if drop_remainder else None
