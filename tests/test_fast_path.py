@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import yogastore
-from yogastore._gather import gather_rows
+from yogastore._gather import gather_rows, gather_rows_at
 from yogastore.format import ALIGN
 from yogastore.format.memory import BufferPool
 from yogastore.read.reader import chunk_lookup
@@ -124,6 +124,84 @@ def test_gather_rows_of_zero_bytes_is_a_no_op() -> None:
     gather_rows(bytearray(), src, np.array([3], dtype=np.int64), 0)  # no room is needed
     gather_rows(dst, src, np.array([], dtype=np.int64), 16)  # no rows at all
     assert (dst == 7).all()
+
+
+# gather_rows_at ---------------------------------------------------------------------
+
+# The source's first byte is at address LOWEST; chunk c's rows start at ADDRESSES[c].
+# Chunk 2 was never added (address 0).
+LOWEST = 4096
+ADDRESSES = np.array([LOWEST + 3000, LOWEST, 0, LOWEST + 1000], dtype=np.int64)
+
+
+@pytest.mark.parametrize("row", [1, 8, 16, 100])
+def test_gather_rows_at_matches_the_starts_of_fancy_indexing(row: int) -> None:
+    rng = np.random.default_rng(row)
+    src = rng.integers(0, 256, size=3000 + 40 * row, dtype=np.uint8)
+    added = np.array([0, 1, 3])
+    chunks = added[rng.integers(0, 3, size=2000)]
+    # Chunk 0's rows run to the source's end; the others' to where the next begins.
+    room = {0: 40, 1: 1000 // row, 3: 2000 // row}
+    local = np.array([rng.integers(0, room[c]) for c in chunks], dtype=np.int64)
+    local[:2], chunks[:2] = [0, 39], [1, 0]  # the source's first and last rows
+    starts = ADDRESSES[chunks] - LOWEST + local * row
+    dst = np.empty((len(local), row), np.uint8)
+    assert gather_rows_at(dst, src, ADDRESSES, chunks, local, LOWEST, row) is None
+    np.testing.assert_array_equal(dst, src[starts[:, None] + np.arange(row)])
+    out = bytearray(len(local) * row)  # any bytes-like buffers work
+    gather_rows_at(out, src.tobytes(), ADDRESSES.tobytes(), chunks.tobytes(), local, LOWEST, row)
+    assert bytes(out) == dst.tobytes()
+    # With a stride of its own, rows overlap: pairs of 8-byte offsets, say.
+    wide = np.empty((len(local), row + 8), np.uint8)
+    local //= 2  # rows of row + 8 bytes every row bytes stay within the chunks above
+    gather_rows_at(wide, src, ADDRESSES, chunks, local, LOWEST, row + 8, row)
+    starts = ADDRESSES[chunks] - LOWEST + local * row
+    np.testing.assert_array_equal(wide, src[starts[:, None] + np.arange(row + 8)])
+
+
+@pytest.mark.parametrize(
+    ("chunk", "local", "error", "message"),
+    [
+        (4, 0, IndexError, "row 600 names chunk 4 of 4"),
+        (-1, 0, IndexError, "row 600 names chunk -1 of 4"),
+        (2, 0, RuntimeError, "row 600 names chunk 2, which was never added"),
+        (0, 62, IndexError, r"row 600 starts at byte 3992, outside the 4000-byte source"),
+        (0, -1, IndexError, "row 600 is record -1 of its chunk"),
+        (0, 2**62, IndexError, f"row 600 is record {2**62} of its chunk"),
+    ],
+)
+def test_gather_rows_at_names_the_bad_row(
+    chunk: int, local: int, error: type[Exception], message: str
+) -> None:
+    src = np.zeros(4000, np.uint8)
+    chunks = np.ones(1000, np.int64)
+    rows = np.arange(1000, dtype=np.int64) % 60
+    chunks[600], rows[600] = chunk, local
+    with pytest.raises(error, match=message):
+        gather_rows_at(np.empty(16000, np.uint8), src, ADDRESSES, chunks, rows, LOWEST, 16)
+
+
+def test_gather_rows_at_rejects_bad_buffers() -> None:
+    src = np.arange(4000, dtype=np.uint8)
+    chunks, local = np.array([0, 1], np.int64), np.array([0, 1], np.int64)
+    dst = np.empty(32, np.uint8)
+    with pytest.raises(ValueError, match="int64"):
+        gather_rows_at(dst, src, ADDRESSES[:3].astype(np.int32), chunks, local, LOWEST, 16)
+    with pytest.raises(ValueError, match="int64"):
+        gather_rows_at(dst, src, ADDRESSES, chunks.tobytes()[:-1], local, LOWEST, 16)
+    with pytest.raises(ValueError, match="chunks holds 1 values, local 2"):
+        gather_rows_at(dst, src, ADDRESSES, chunks[:1], local, LOWEST, 16)
+    with pytest.raises(ValueError, match="destination holds 31 bytes"):
+        gather_rows_at(dst[:31], src, ADDRESSES, chunks, local, LOWEST, 16)
+    with pytest.raises(ValueError, match="row_bytes"):
+        gather_rows_at(dst, src, ADDRESSES, chunks, local, LOWEST, -1)
+    with pytest.raises(ValueError, match="stride"):
+        gather_rows_at(dst, src, ADDRESSES, chunks, local, LOWEST, 16, -8)
+    with pytest.raises(TypeError):
+        gather_rows_at(bytes(32), src, ADDRESSES, chunks, local, LOWEST, 16)
+    before = dst.copy()
+    assert gather_rows_at(dst, src, ADDRESSES, chunks, local, LOWEST, 0) is None
+    np.testing.assert_array_equal(dst, before)  # rows of no bytes copy nothing
 
 
 # BufferPool -----------------------------------------------------------------------

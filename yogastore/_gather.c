@@ -6,6 +6,16 @@
  * the read the copy uses; the copy runs without the GIL. All three buffers
  * must be contiguous; starts holds int64.
  *
+ * gather_rows_at(dst, src, addresses, chunks, local, lowest, row_bytes[, stride])
+ * does the same for the rows local[i] of chunks chunks[i]: row j of chunk c
+ * starts at byte addresses[c] - lowest + j * stride of src (stride: row_bytes
+ * unless given; 8 with rows of 16 reads offset pairs). The starts are
+ * computed, checked and used in one loop without the GIL (no index arrays in
+ * between). An address of 0 marks a chunk never added (RuntimeError); a bad
+ * chunk, record or start raises IndexError. Rows are checked and copied a
+ * block at a time, so rows before a
+ * bad one may have been copied already.
+ *
  * gather_ranges(dst, src, starts, lengths) appends, for every i, the bytes
  * src[starts[i] : starts[i] + lengths[i]] to dst (variable-length records:
  * strings, ragged values) and returns the bytes written. Each (start, length)
@@ -242,6 +252,185 @@ done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&starts);
+    return result;
+}
+
+/* gather_rows_at: the rows of records local[i] of chunks chunks[i], row j of
+ * chunk c starting at byte addresses[c] - lowest + j * stride of src (an
+ * address of 0: never added).
+ * Returns the first i whose chunk, address or start is bad (its reason in
+ * *why: 1 chunk out of range, 2 chunk not added, 3 start outside src, 4 a
+ * negative or overflowing record number; the
+ * offending value in *bad_value), or -1. Every value is read once, then
+ * checked and used, so a concurrent writer cannot move a copy outside src. */
+struct rows_at_call {
+    char *out;
+    const char *in;
+    const int64_t *addresses, *chunks, *local;
+    Py_ssize_t n, num_chunks, row, stride;
+    int64_t lowest, last, bad_value;
+    Py_ssize_t bad;
+    int why;
+};
+
+static inline int64_t row_start_at(const struct rows_at_call *c, Py_ssize_t i, int *why,
+                                   int64_t *value) {
+    int64_t chunk, local, address;
+    memcpy(&chunk, c->chunks + i, sizeof chunk);
+    memcpy(&local, c->local + i, sizeof local);
+    if (chunk < 0 || chunk >= (int64_t)c->num_chunks) {
+        *why = 1;
+        *value = chunk;
+        return -1;
+    }
+    memcpy(&address, c->addresses + chunk, sizeof address);
+    if (address == 0) {
+        *why = 2;
+        *value = chunk;
+        return -1;
+    }
+    int64_t offset, start;
+    if (local < 0 || __builtin_mul_overflow(local, (int64_t)c->stride, &offset) ||
+        __builtin_add_overflow(address - c->lowest, offset, &start)) {
+        *why = 4;
+        *value = local;
+        return -1;
+    }
+    if (start < 0 || start > c->last) {
+        *why = 3;
+        *value = start;
+        return -1;
+    }
+    return start;
+}
+
+/* Starts are computed and checked a block at a time into a buffer on the stack,
+ * then that block is copied by the row loop of gather_rows (which checks each
+ * start again on its read; the buffer is this thread's own). */
+#define ROWS_AT_BLOCK 512
+
+static void rows_at_step(void *state) {
+    struct rows_at_call *c = state;
+    int64_t starts[ROWS_AT_BLOCK];
+    c->bad = -1;
+    for (Py_ssize_t base = 0; base < c->n; base += ROWS_AT_BLOCK) {
+        Py_ssize_t m = c->n - base < ROWS_AT_BLOCK ? c->n - base : ROWS_AT_BLOCK;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            int why = 0;
+            int64_t value = 0;
+            int64_t s = row_start_at(c, base + j, &why, &value);
+            if (s < 0) {
+                c->bad = base + j;
+                c->why = why;
+                c->bad_value = value;
+                return;
+            }
+            starts[j] = s;
+        }
+        int64_t bad_start = 0;
+        Py_ssize_t bad = copy_rows_any(c->out + base * c->row, c->in, starts, m, c->row, c->last,
+                                       &bad_start);
+        if (bad >= 0) { /* not reached: the starts were checked above */
+            c->bad = base + bad;
+            c->why = 3;
+            c->bad_value = bad_start;
+            return;
+        }
+    }
+}
+
+static PyObject *gather_rows_at(PyObject *module, PyObject *args) {
+    Py_buffer dst, src, addresses, chunks, local;
+    long long lowest;
+    Py_ssize_t row, stride = -1;
+    PyObject *result = NULL;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*Ln|n", &dst, &src, &addresses, &chunks, &local,
+                          &lowest, &row, &stride)) {
+        return NULL;
+    }
+    if (stride == -1) {
+        stride = row;
+    }
+    Py_ssize_t n = local.len / (Py_ssize_t)sizeof(int64_t);
+    if (row < 0) {
+        PyErr_Format(PyExc_ValueError, "row_bytes must be >= 0, got %zd", row);
+        goto done;
+    }
+    if (stride < 0) {
+        PyErr_Format(PyExc_ValueError, "stride must be >= 0, got %zd", stride);
+        goto done;
+    }
+    if (addresses.len % (Py_ssize_t)sizeof(int64_t) != 0 ||
+        chunks.len % (Py_ssize_t)sizeof(int64_t) != 0 ||
+        local.len % (Py_ssize_t)sizeof(int64_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "addresses, chunks and local must be buffers of int64");
+        goto done;
+    }
+    if (chunks.len != local.len) {
+        PyErr_Format(PyExc_ValueError, "chunks holds %zd values, local %zd",
+                     chunks.len / (Py_ssize_t)sizeof(int64_t), n);
+        goto done;
+    }
+    if (row != 0 && n > dst.len / row) {
+        PyErr_Format(PyExc_ValueError, "destination holds %zd bytes, %zd rows of %zd need more",
+                     dst.len, n, row);
+        goto done;
+    }
+    if (row == 0) { /* nothing to copy */
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    {
+        struct rows_at_call call = {(char *)dst.buf,
+                                    (const char *)src.buf,
+                                    (const int64_t *)addresses.buf,
+                                    (const int64_t *)chunks.buf,
+                                    (const int64_t *)local.buf,
+                                    n,
+                                    addresses.len / (Py_ssize_t)sizeof(int64_t),
+                                    row,
+                                    stride,
+                                    (int64_t)lowest,
+                                    (int64_t)src.len - (int64_t)row,
+                                    0,
+                                    -1,
+                                    0};
+        int faulted;
+        Py_BEGIN_ALLOW_THREADS
+        faulted = run_guarded(rows_at_step, &call);
+        Py_END_ALLOW_THREADS
+        if (faulted) {
+            set_mapped_fault("gather_rows_at");
+            goto done;
+        }
+        if (call.bad >= 0) {
+            if (call.why == 1) {
+                PyErr_Format(PyExc_IndexError, "row %zd names chunk %lld of %zd", call.bad,
+                             (long long)call.bad_value, call.num_chunks);
+            } else if (call.why == 2) {
+                PyErr_Format(PyExc_RuntimeError, "row %zd names chunk %lld, which was never added",
+                             call.bad, (long long)call.bad_value);
+            } else if (call.why == 4) {
+                PyErr_Format(PyExc_IndexError,
+                             "row %zd is record %lld of its chunk, outside the %zd-byte source",
+                             call.bad, (long long)call.bad_value, src.len);
+            } else {
+                PyErr_Format(PyExc_IndexError,
+                             "row %zd starts at byte %lld, outside the %zd-byte source", call.bad,
+                             (long long)call.bad_value, src.len);
+            }
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&addresses);
+    PyBuffer_Release(&chunks);
+    PyBuffer_Release(&local);
     return result;
 }
 
@@ -788,6 +977,11 @@ static PyMethodDef methods[] = {
     {"gather_rows", gather_rows, METH_VARARGS,
      "gather_rows(dst, src, starts, row_bytes): copy rows src[starts[i]:+row_bytes] "
      "into dst, in order. Bounds are checked first; the copy releases the GIL."},
+    {"gather_rows_at", gather_rows_at, METH_VARARGS,
+     "gather_rows_at(dst, src, addresses, chunks, local, lowest, row_bytes[, stride]): copy "
+     "the rows local[i] of chunks[i] (row j of chunk c at src[addresses[c] - lowest + j * "
+     "stride:], stride row_bytes by default) into dst, in order; "
+     "every chunk, address and start is checked on the read the copy uses (without the GIL)."},
     {"gather_ranges", gather_ranges, METH_VARARGS,
      "gather_ranges(dst, src, starts, lengths) -> int: append src[starts[i]:+lengths[i]] to "
      "dst, in order; every range is checked on the read the copy uses (without the GIL)."},

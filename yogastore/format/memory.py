@@ -83,6 +83,34 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, starts: IntArray, row: int) -> N
     ]  # pragma: no cover
 
 
+def copy_rows_at(
+    dst: np.ndarray,
+    src: np.ndarray,
+    addresses: IntArray,
+    chunks: IntArray,
+    local: IntArray,
+    lowest: int,
+    row: int,
+    stride: int | None = None,
+) -> None:
+    """Copy row ``local[i]`` of chunk ``chunks[i]`` to ``dst[i * row:(i + 1) * row]`` (bytes).
+
+    Row ``j`` of chunk ``c`` is ``src[addresses[c] - lowest + j * stride:][:row]``
+    (``stride``: ``row`` unless given); an address of 0 is a chunk never added.
+    """
+    stride = row if stride is None else stride
+    if _gather is not None:
+        chunks = np.ascontiguousarray(chunks, np.int64)
+        _gather.gather_rows_at(
+            dst, src, addresses, chunks, np.ascontiguousarray(local, np.int64), lowest, row, stride
+        )
+        return
+    at = addresses[chunks]  # pragma: no cover - numpy definition
+    if not at.all():  # pragma: no cover
+        raise RuntimeError("a chunk of the batch was never added")  # pragma: no cover
+    copy_rows(dst, src, at - lowest + local * stride, row)  # pragma: no cover
+
+
 def copy_ranges(dst: np.ndarray, src: np.ndarray, starts: IntArray, lengths: IntArray) -> int:
     """Append ``src[starts[i]:starts[i] + lengths[i]]`` to ``dst`` (bytes); return the total."""
     if _gather is not None:
@@ -302,15 +330,15 @@ class FixedRows:
         if n == 0 or span is None:
             return ColumnBatch(self.spec, np.empty((n, *self._dims), self._dtype), shapes)
         rows, lowest, flat = span
-        addresses = self._addresses[chunks]
-        if not addresses.all():
-            raise RuntimeError("FixedRows.gather: a chunk of the batch was never added")
-        starts = addresses - lowest + local * self._row
         if _gather is None:  # pragma: no cover - exercised when the extension is absent
-            data = rows[starts]
+            addresses = self._addresses[chunks]
+            if not addresses.all():
+                raise RuntimeError("FixedRows.gather: a chunk of the batch was never added")
+            data = rows[addresses - lowest + local * self._row]
         else:
+            # Starts computed and checked in the copy loop: no index arrays in between.
             data = self._pool.take(n * self._row)
-            _gather.gather_rows(data, flat, starts, self._row)
+            copy_rows_at(data, flat, self._addresses, chunks, local, lowest, self._row)
         return ColumnBatch(self.spec, data.view(self._dtype).reshape(n, *self._dims), shapes)
 
 
@@ -445,7 +473,7 @@ class VarRows:
             out[:] = self._known
             out[:, axis] = size
             return out
-        copy_rows(out, flat, self._shape_rows[chunks] - low + local * (8 * ndim), 8 * ndim)
+        copy_rows_at(out, flat, self._shape_rows, chunks, local, low, 8 * ndim)
         return out
 
     def _bounds(
@@ -461,7 +489,7 @@ class VarRows:
                 raise self._corrupt(chunks, bad, "record offsets out of bounds")
             return first, last
         pairs = np.empty((len(local), 2), dtype=np.int64)
-        copy_rows(pairs, flat, self._offsets[chunks] - low + local * 8, 16)
+        copy_rows_at(pairs, flat, self._offsets, chunks, local, low, 16, 8)
         first, last = pairs[:, 0], pairs[:, 1]
         bad = (first < 0) | (last < first) | (last > self._items[chunks])
         if bad.any():

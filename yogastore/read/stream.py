@@ -365,17 +365,25 @@ class Stream:
 
         The first batch then costs one batch's gather (and its first
         checks), not a whole group's, and the groups soon reach full size.
+        Groups are cut from the order's pieces directly (views, no batch by
+        batch slicing); every group but the last holds whole batches.
         """
-        group: list[IntArray] = []
         want = 1
-        for records in self.record_indices(batch_size):
-            group.append(records)
-            if len(group) == want:
-                yield group[0] if want == 1 else np.concatenate(group)
-                group = []
+        carry: IntArray | None = None
+        for piece in self._record_pieces(max(_ORDER_PIECE, batch_size * k)):
+            if carry is not None:
+                piece = np.concatenate([carry, piece])
+                carry = None
+            start = 0
+            while len(piece) - start >= want * batch_size:
+                stop = start + want * batch_size
+                yield piece[start:stop]
+                start = stop
                 want = min(k, want * 2)
-        if group:
-            yield np.concatenate(group)
+            if start < len(piece):
+                carry = piece[start:]
+        if carry is not None:
+            yield carry
 
     def _gathered(self, indices: Iterator[IntArray], in_place: bool = False) -> Iterator[Any]:
         source = self.source
@@ -468,6 +476,7 @@ class Stream:
         # pooled buffer back every time.
         in_place = strings is StringFormat.RANGES and self.strings_in_place()
         groups = self._batch_groups(batch_size, k, in_place, drop_remainder)
+        numeric = fixed_numeric(schema)  # every component a plain array: slice each
         if k == 1:
             for _records, cols in groups:
                 batch = schema.pack(batch_components(schema, cols, where, strings))
@@ -485,7 +494,10 @@ class Stream:
                     return  # only the stream's last batch can be short
                 if in_place and start:  # views of the file: it must not have shrunk since
                     self.source.check_mapped()  # type: ignore[attr-defined]
-                batch = schema.pack(slice_batch(schema, arrays, start, stop))
+                if numeric:
+                    batch = schema.pack([a[start:stop] for a in arrays])
+                else:
+                    batch = schema.pack(slice_batch(schema, arrays, start, stop))
                 yield batch
                 del batch
             del arrays
