@@ -7,7 +7,12 @@ from values and row splits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import atexit
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -37,6 +42,80 @@ _VAR_MAX_GROUP = 256
 _VAR_MIN_DEPTH = 1  # groups read ahead beside those in the kernel's map, at least
 _PREFETCH_BYTES = 16 << 20  # read ahead by tf.data after the Python call
 _MAX_PREFETCH = 8
+
+
+# Ending the generators before the interpreter finalizes -----------------------------
+#
+# A to_tf_dataset iterator still alive when the process ends is destroyed while the
+# interpreter finalizes. If tf.data's read-ahead thread is then inside (or about to
+# enter) the generator, it waits for the GIL, which it can no longer get, and the
+# iterator's teardown waits for that thread: the process hangs at exit. So at exit,
+# before finalization, the generators are told to end, and exit waits until none has
+# run for _EXIT_QUIET seconds (at most _EXIT_WAIT): the read-ahead threads have then
+# seen every generator end, or are idle with full buffers, which tear down cleanly.
+_EXIT_QUIET = 0.05
+_EXIT_WAIT = 5.0
+_exit_lock = threading.Lock()
+_closing = threading.Event()
+_exit_state = {"registered": False, "busy": 0, "last": 0.0}
+
+
+def _forked() -> None:
+    """In a fork's child: only the forking thread lives on, in no generator step."""
+    global _exit_lock
+    _exit_lock = threading.Lock()
+    _exit_state["busy"] = 0
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _end_generators() -> None:
+    """``atexit``: end every generator of this module and wait until they are quiet."""
+    _closing.set()
+    deadline = time.monotonic() + _EXIT_WAIT
+    while time.monotonic() < deadline:
+        with _exit_lock:
+            busy, last = _exit_state["busy"], _exit_state["last"]
+        if not busy and time.monotonic() - last >= _EXIT_QUIET:
+            return
+        time.sleep(0.005)
+
+
+def _step(delta: int) -> None:
+    with _exit_lock:
+        _exit_state["busy"] += delta
+        _exit_state["last"] = time.monotonic()
+
+
+def _ends_at_exit(
+    generate: Callable[[], Iterator[tuple[Any, ...]]],
+) -> Callable[[], Iterator[tuple[Any, ...]]]:
+    """Wrap a ``from_generator`` generator so that it ends when the process exits."""
+
+    @functools.wraps(generate)
+    def run() -> Iterator[tuple[Any, ...]]:
+        with _exit_lock:
+            if not _exit_state["registered"]:
+                atexit.register(_end_generators)
+                _exit_state["registered"] = True
+        items = generate()
+        try:
+            while not _closing.is_set():
+                _step(1)
+                try:
+                    item = next(items, None)
+                finally:
+                    _step(-1)
+                if item is None:
+                    return
+                yield item
+        finally:
+            close = getattr(items, "close", None)  # a generator's: end its with-blocks now
+            if close is not None:
+                close()
+
+    return run
 
 
 def _var_group_factor(ref: Any, batch_size: int) -> int:
@@ -164,7 +243,7 @@ def to_tf_dataset(
     def rebuild(*w: Any) -> Any:
         return _rebuild(schema, w, static, True)
 
-    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = tf.data.Dataset.from_generator(_ends_at_exit(generate), output_signature=specs)
     ds = ds.map(
         tf.autograph.experimental.do_not_convert(rebuild),  # plain graph code, nothing to convert
         num_parallel_calls=tf.data.AUTOTUNE,
@@ -226,7 +305,7 @@ def _fixed_dataset(
     # nested element (measured with 38 MB batches); the graph map repacks it.
     # The generator's groups are read ahead and cut into batches as they are taken, but
     # records one by one from groups too large to hold two of are read ahead as records.
-    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = tf.data.Dataset.from_generator(_ends_at_exit(generate), output_signature=specs)
     group_bytes = row_bytes(schema) * size * k
     if unbatch and group_bytes > _PREFETCH_BYTES:
         return _finish(split(ds), row_bytes(schema))
@@ -353,7 +432,7 @@ def _grouped_dataset(
             i += 1
         return schema.pack(out)
 
-    ds = tf.data.Dataset.from_generator(generate, output_signature=tuple(specs))
+    ds = tf.data.Dataset.from_generator(_ends_at_exit(generate), output_signature=tuple(specs))
     regroup_fn = tf.autograph.experimental.do_not_convert(regroup)  # plain graph code
     if any(buffers):  # the kernel's copies run on tf.data threads, beside the generator
         ds = ds.map(regroup_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -398,7 +477,7 @@ def _per_element_dataset(
                         for w in _wire(c, v)
                     )
 
-    ds = tf.data.Dataset.from_generator(generate, output_signature=specs)
+    ds = tf.data.Dataset.from_generator(_ends_at_exit(generate), output_signature=specs)
     ds = ds.map(
         lambda *w: _rebuild(schema, w, None, False),
         num_parallel_calls=tf.data.AUTOTUNE,
