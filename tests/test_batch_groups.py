@@ -37,6 +37,23 @@ class OneByOne(Stream):
         yield from super().column_batches(batch_size, drop_remainder)
 
 
+class Reversed(Stream):
+    """A subclass with an order of its own (each batch's records reversed)."""
+
+    def record_indices(self, batch_size: int) -> Iterator[np.ndarray]:
+        for records in super().record_indices(batch_size):
+            yield records[::-1].copy()
+
+
+def test_grouped_batches_follow_a_subclass_order(ref: yogastore.DatasetRef) -> None:
+    stream = ref.stream(0, 2, shuffle=True, seed=6, num_epochs=2)
+    stream.__class__ = Reversed
+    assert stream.group_factor(7, 1 << 20, 64) > 1, "the case must exercise grouping"
+    order = np.concatenate(list(stream.record_indices(7)))
+    got = np.concatenate([b["y"] for b in stream.batches(7)])
+    np.testing.assert_array_equal(got, order)
+
+
 @pytest.mark.parametrize("batch_size", [1, 7, 64, 333])
 @pytest.mark.parametrize("drop_remainder", [False, True])
 def test_grouped_batches_equal_single_batches(

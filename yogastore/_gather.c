@@ -290,8 +290,10 @@ static inline int64_t row_start_at(const struct rows_at_call *c, Py_ssize_t i, i
         return -1;
     }
     int64_t offset, start;
-    if (local < 0 || __builtin_mul_overflow(local, (int64_t)c->stride, &offset) ||
-        __builtin_add_overflow(address - c->lowest, offset, &start)) {
+    int64_t base;
+    if (local < 0 || __builtin_sub_overflow(address, c->lowest, &base) ||
+        __builtin_mul_overflow(local, (int64_t)c->stride, &offset) ||
+        __builtin_add_overflow(base, offset, &start)) {
         *why = 4;
         *value = local;
         return -1;

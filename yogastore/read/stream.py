@@ -369,6 +369,16 @@ class Stream:
         batch slicing); every group but the last holds whole batches.
         """
         want = 1
+        if type(self).record_indices is not Stream.record_indices:  # a subclass's own order
+            group: list[IntArray] = []
+            for records in self.record_indices(batch_size):
+                group.append(records)
+                if len(group) == want:
+                    yield np.concatenate(group)
+                    group, want = [], min(k, want * 2)
+            if group:
+                yield np.concatenate(group)
+            return
         carry: IntArray | None = None
         for piece in self._record_pieces(max(_ORDER_PIECE, batch_size * k)):
             if carry is not None:

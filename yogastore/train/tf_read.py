@@ -27,7 +27,7 @@ from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, row_bytes
 from yogastore.train import tf_ops
 from yogastore.train.tf_spec import tf_dtype
 
-__all__ = ["record_dataset", "to_tf_dataset"]
+__all__ = ["ProcessExiting", "record_dataset", "to_tf_dataset"]
 
 _UNBATCH_INTERNAL = 256
 _GROUP_BYTES = 8 << 20  # fixed-shape records handed to tf.data per Python call, about
@@ -50,42 +50,67 @@ _MAX_PREFETCH = 8
 # interpreter finalizes. If tf.data's read-ahead thread is then inside (or about to
 # enter) the generator, it waits for the GIL, which it can no longer get, and the
 # iterator's teardown waits for that thread: the process hangs at exit. So at exit,
-# before finalization, the generators are told to end, and exit waits until none has
-# run for _EXIT_QUIET seconds (at most _EXIT_WAIT): the read-ahead threads have then
-# seen every generator end, or are idle with full buffers, which tear down cleanly.
+# before finalization, the generators then alive are ended (with an error, so that no
+# consumer takes it for the end of the data), and exit waits until no generator has run
+# for _EXIT_QUIET seconds (at most _EXIT_WAIT): the read-ahead threads have then seen
+# their generators end, or are idle with full buffers, which tear down cleanly.
+# Generators started later (by an exit handler of the caller's) run as usual.
 _EXIT_QUIET = 0.05
 _EXIT_WAIT = 5.0
 _exit_lock = threading.Lock()
-_closing = threading.Event()
-_exit_state = {"registered": False, "busy": 0, "last": 0.0}
+
+
+class _ExitState:
+    registered = False  # the atexit handler
+    busy = 0  # generator steps running
+    last = 0.0  # time.monotonic() of the last step's start or end
+    generation = 0  # generators started before the last exit handler ran are ended
+
+
+_exit_state = _ExitState()
+
+
+class ProcessExiting(RuntimeError):
+    """A ``to_tf_dataset`` generator was ended because the process is exiting."""
 
 
 def _forked() -> None:
     """In a fork's child: only the forking thread lives on, in no generator step."""
     global _exit_lock
     _exit_lock = threading.Lock()
-    _exit_state["busy"] = 0
+    _exit_state.busy = 0
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
 def _end_generators() -> None:
-    """``atexit``: end every generator of this module and wait until they are quiet."""
-    _closing.set()
+    """``atexit``: end the generators alive now and wait until no generator runs."""
+    with _exit_lock:
+        _exit_state.generation += 1
+        _exit_state.last = time.monotonic()  # wait at least _EXIT_QUIET, GIL released
     deadline = time.monotonic() + _EXIT_WAIT
     while time.monotonic() < deadline:
+        time.sleep(0.005)
         with _exit_lock:
-            busy, last = _exit_state["busy"], _exit_state["last"]
+            busy, last = _exit_state.busy, _exit_state.last
         if not busy and time.monotonic() - last >= _EXIT_QUIET:
             return
-        time.sleep(0.005)
 
 
-def _step(delta: int) -> None:
+def _enter(born: int) -> None:
+    """Count a generator step in; raise ``ProcessExiting`` if exit ended its generation."""
     with _exit_lock:
-        _exit_state["busy"] += delta
-        _exit_state["last"] = time.monotonic()
+        _exit_state.last = time.monotonic()
+        if _exit_state.generation != born:
+            raise ProcessExiting("the process is exiting: this to_tf_dataset iterator was ended")
+        _exit_state.busy += 1
+
+
+def _leave() -> None:
+    with _exit_lock:
+        _exit_state.busy -= 1
+        _exit_state.last = time.monotonic()
 
 
 def _ends_at_exit(
@@ -96,24 +121,30 @@ def _ends_at_exit(
     @functools.wraps(generate)
     def run() -> Iterator[tuple[Any, ...]]:
         with _exit_lock:
-            if not _exit_state["registered"]:
+            if not _exit_state.registered:
                 atexit.register(_end_generators)
-                _exit_state["registered"] = True
+                _exit_state.registered = True
+            born = _exit_state.generation
         items = generate()
         try:
-            while not _closing.is_set():
-                _step(1)
+            while True:
+                _enter(born)
                 try:
                     item = next(items, None)
                 finally:
-                    _step(-1)
+                    _leave()
                 if item is None:
                     return
                 yield item
         finally:
-            close = getattr(items, "close", None)  # a generator's: end its with-blocks now
-            if close is not None:
-                close()
+            with _exit_lock:
+                _exit_state.busy += 1  # the generator's own cleanup is a step too
+            try:
+                close = getattr(items, "close", None)  # a generator's: end its with-blocks
+                if close is not None:
+                    close()
+            finally:
+                _leave()
 
     return run
 
