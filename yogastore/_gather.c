@@ -13,8 +13,7 @@
  * computed, checked and used in one loop without the GIL (no index arrays in
  * between). An address of 0 marks a chunk never added (RuntimeError); a bad
  * chunk, record or start raises IndexError. Rows are checked and copied a
- * block at a time, so rows before a
- * bad one may have been copied already.
+ * block at a time, so rows before a bad one may have been copied already.
  *
  * gather_ranges(dst, src, starts, lengths) appends, for every i, the bytes
  * src[starts[i] : starts[i] + lengths[i]] to dst (variable-length records:
@@ -260,8 +259,8 @@ done:
  * address of 0: never added).
  * Returns the first i whose chunk, address or start is bad (its reason in
  * *why: 1 chunk out of range, 2 chunk not added, 3 start outside src, 4 a
- * negative or overflowing record number; the
- * offending value in *bad_value), or -1. Every value is read once, then
+ * negative or overflowing record number; the offending value in *bad_value),
+ * or -1. Every value is read once, then
  * checked and used, so a concurrent writer cannot move a copy outside src. */
 struct rows_at_call {
     char *out;
@@ -344,7 +343,7 @@ static void rows_at_step(void *state) {
 static PyObject *gather_rows_at(PyObject *module, PyObject *args) {
     Py_buffer dst, src, addresses, chunks, local;
     long long lowest;
-    Py_ssize_t row, stride = -1;
+    Py_ssize_t row, stride = PY_SSIZE_T_MIN; /* not given: row_bytes */
     PyObject *result = NULL;
 
     (void)module;
@@ -352,7 +351,7 @@ static PyObject *gather_rows_at(PyObject *module, PyObject *args) {
                           &lowest, &row, &stride)) {
         return NULL;
     }
-    if (stride == -1) {
+    if (stride == PY_SSIZE_T_MIN) {
         stride = row;
     }
     Py_ssize_t n = local.len / (Py_ssize_t)sizeof(int64_t);

@@ -329,16 +329,9 @@ class FixedRows:
         span = self._current_span()
         if n == 0 or span is None:
             return ColumnBatch(self.spec, np.empty((n, *self._dims), self._dtype), shapes)
-        rows, lowest, flat = span
-        if _gather is None:  # pragma: no cover - exercised when the extension is absent
-            addresses = self._addresses[chunks]
-            if not addresses.all():
-                raise RuntimeError("FixedRows.gather: a chunk of the batch was never added")
-            data = rows[addresses - lowest + local * self._row]
-        else:
-            # Starts computed and checked in the copy loop: no index arrays in between.
-            data = self._pool.take(n * self._row)
-            copy_rows_at(data, flat, self._addresses, chunks, local, lowest, self._row)
+        _rows, lowest, flat = span
+        data = self._pool.take(n * self._row)
+        copy_rows_at(data, flat, self._addresses, chunks, local, lowest, self._row)
         return ColumnBatch(self.spec, data.view(self._dtype).reshape(n, *self._dims), shapes)
 
 
