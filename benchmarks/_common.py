@@ -174,6 +174,52 @@ def rss_mib() -> float:
     return now if now is not None else peak_rss_mib()
 
 
+def in_base_pages(a: np.ndarray) -> np.ndarray:
+    """Return a copy of ``a`` in anonymous memory mapped in base pages (4 KiB on x86-64).
+
+    numpy asks for transparent huge pages for arrays of 4 MiB or more
+    (``MADV_HUGEPAGE``), so an in-memory ceiling gathers through few TLB entries.
+    The copy is made in a mapping marked ``MADV_NOHUGEPAGE`` before its first
+    touch: the same gather from it shows what huge pages are worth to the ceiling.
+    """
+    import mmap
+
+    buf = mmap.mmap(-1, max(a.nbytes, 1))
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        buf.madvise(advice)
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def huge_mapped_kib(path_part: str) -> tuple[int, int]:
+    """Return (resident, in 2 MiB pages), in KiB, of the file mappings naming ``path_part``.
+
+    From ``/proc/self/smaps`` (``Rss`` and ``FilePmdMapped``); ``(0, 0)`` where it
+    cannot be read. A file's pages are mapped in 2 MiB pages only where the page
+    cache holds them in 2 MiB folios, which is up to the kernel and how the file
+    was written.
+    """
+    rss = pmd = 0
+    mine = False
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0, 0
+    for line in lines:
+        parts = line.split()
+        if not parts:
+            continue
+        if "-" in parts[0] and not parts[0].endswith(":"):
+            mine = len(parts) >= 6 and path_part in parts[-1]
+        elif mine and parts[0] == "Rss:":
+            rss += int(parts[1])
+        elif mine and parts[0] == "FilePmdMapped:":
+            pmd += int(parts[1])
+    return rss, pmd
+
+
 def peak_rss_mib() -> float:
     """Return this process's peak resident set size in MiB.
 

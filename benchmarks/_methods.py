@@ -28,6 +28,8 @@ from benchmarks._common import (
     Tally,
     Verifier,
     consume,
+    huge_mapped_kib,
+    in_base_pages,
     index_batches,
     io_read_chars,
     peak_rss_mib,
@@ -252,12 +254,25 @@ def stream_numpy(ctx: Context) -> dict[str, Any]:
         passes=passes,
         read_per_epoch=stats.get("bytes_fetched"),
         verified=verifier.result(stream_indices(ctx.ref, case, 1)),
+        note=map_pages_note(ctx.work),
     )
 
 
-def numpy_gather(ctx: Context) -> dict[str, Any]:
+def map_pages_note(work: Path) -> str:
+    """How much of the store's memory map the kernel mapped in 2 MiB pages (``FilePmdMapped``)."""
+    rss, pmd = huge_mapped_kib(str(work / "store"))
+    if not rss:
+        return ""
+    return f"store map {rss / 1024:,.0f} MiB resident, {pmd / 1024:,.0f} MiB of it in 2 MiB pages"
+
+
+def numpy_gather(ctx: Context, base_pages: bool = False) -> dict[str, Any]:
+    """(d) the same index batches gathered by numpy from memory; (d4) the same from a copy
+    mapped in base pages (see ``in_base_pages``)."""
     case = ctx.case
     data, labels = ctx.data, ctx.labels
+    if base_pages:
+        data, labels = in_base_pages(data), in_base_pages(labels)
     verifier = Verifier(data)
 
     def check() -> None:
@@ -276,13 +291,17 @@ def numpy_gather(ctx: Context) -> dict[str, Any]:
 
     runs = repeat_runs(run, case.repeats, np.concatenate(batches))
     return _row(
-        "d",
-        "in-memory numpy fancy-index gather (ceiling)",
+        "d4" if base_pages else "d",
+        "(d) from memory mapped in 4 KiB pages"
+        if base_pages
+        else "in-memory numpy fancy-index gather (ceiling)",
         case,
         **runs,
         passes=passes,
         verified=verifier.result(stream_indices(ctx.ref, case, 1)),
-        note="same index batches as (b)/(c), indices precomputed",
+        note="MADV_NOHUGEPAGE copy of (d)'s arrays"
+        if base_pages
+        else "same index batches as (b)/(c), indices precomputed",
     )
 
 

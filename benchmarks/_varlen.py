@@ -22,6 +22,7 @@ Rows of one case, side by side on the same records:
 (c3) ``Stream.batches(256, strings=StringFormat.RANGES)`` (the stored bytes in place, no copy);
 (d)  the same index batches gathered from the records held in memory as values + offsets,
      with the same compiled range copy (the ceiling of any copying reader);
+(d4) (d) from copies of its arrays mapped in 4 KiB pages (``_common.in_base_pages``);
 (p)  Grain ``MapDataset`` over an ArrayRecord file: shuffled, rank 0 of 4, batched;
 (h1)/(h2) (``jpeg`` only) (b)/(e3) followed by ``tf.io.decode_jpeg`` + resize to 64x64;
 (k1)/(k2) (``images``) (a)/(b) while another process keeps one core busy
@@ -53,6 +54,7 @@ from benchmarks._common import (
     Tally,
     consume,
     graph_consume,
+    in_base_pages,
     index_batches,
     plan_passes,
     repeat_runs,
@@ -600,6 +602,7 @@ def ceiling_dataset(ctx: VarContext) -> tuple[Callable[[int], Any], np.ndarray, 
 
 def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:
     import yogastore
+    from benchmarks._methods import map_pages_note
 
     case = ctx.case
     text = case.kind == "text"
@@ -635,22 +638,36 @@ def stream_numpy_rows(ctx: VarContext) -> list[dict[str, Any]]:
                 **runs,
                 passes=passes,
                 verified=checker.result(stream_indices(ctx.ref, case, 1)),
+                note=map_pages_note(ctx.work) if key == "c" else "",
             )
         )
     return rows
 
 
-def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
-    """(d) the same index batches, gathered from memory with the same compiled range copy."""
+def memory_gather_row(ctx: VarContext, base_pages: bool = False) -> dict[str, Any]:
+    """(d) the same index batches, gathered from memory with the same compiled range copy.
+
+    ``base_pages``: (d4), the same from copies of the records' arrays mapped in 4 KiB pages.
+    """
     from yogastore.format.memory import copy_ranges
 
     case, recs = ctx.case, ctx.recs
+    if base_pages:
+        recs = Records(
+            x=in_base_pages(recs.x),
+            x_off=in_base_pages(recs.x_off),
+            labels=in_base_pages(recs.labels),
+            tok=None if recs.tok is None else in_base_pages(recs.tok),
+            tok_off=None if recs.tok_off is None else in_base_pages(recs.tok_off),
+        )
     x_len = np.diff(recs.x_off)
     t_len = np.diff(recs.tok_off) * 4 if recs.tok_off is not None else None
     x_buf = np.empty(int(x_len.max(initial=0)) * case.batch_size, np.uint8)
     t_buf = np.empty(
         int(t_len.max(initial=0)) * case.batch_size if t_len is not None else 0, np.uint8
     )
+    if base_pages:  # numpy would ask for huge pages for these too
+        x_buf, t_buf = in_base_pages(x_buf), in_base_pages(t_buf)
     tok_bytes = recs.tok.view(np.uint8) if recs.tok is not None else None
 
     def gather(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -689,13 +706,17 @@ def memory_gather_row(ctx: VarContext) -> dict[str, Any]:
     batches = list(index_batches(ctx.ref, case, passes))
     runs = repeat_runs(lambda: run_batches(batches), case.repeats, np.concatenate(batches))
     return _row(
-        "d",
-        "in-memory values + offsets, same compiled range copy (ceiling)",
+        "d4" if base_pages else "d",
+        "(d) from memory mapped in 4 KiB pages"
+        if base_pages
+        else "in-memory values + offsets, same compiled range copy (ceiling)",
         case,
         **runs,
         passes=passes,
         verified=checker.result(stream_indices(ctx.ref, case, 1)),
-        note="same index batches as (b)/(c), indices precomputed",
+        note="MADV_NOHUGEPAGE copies of (d)'s arrays"
+        if base_pages
+        else "same index batches as (b)/(c), indices precomputed",
     )
 
 

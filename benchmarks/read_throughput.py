@@ -13,6 +13,10 @@ In one run, on the same records (random bytes plus an int64 label), per case:
     in a fresh process (its peak RSS is reported);
 (c) the same stream through ``Stream.batches(256)`` (numpy, no TensorFlow);
 (d) an in-memory numpy fancy-index gather of the same index batches (the ceiling);
+(d4) the same from a copy of its arrays that the kernel maps in 4 KiB pages: numpy asks
+    for transparent huge pages for arrays of 4 MiB or more, while a store's memory map
+    gets 2 MiB pages only where the page cache holds the file in 2 MiB folios ((c)'s
+    note says how much did);
 (e) TensorFlow's ``Dataset.save`` + ``Dataset.load``, and ``shard(4, 0)`` of the
     snapshot and of the TFRecord file, with the bytes each rank reads;
 (f) YogaDL 0.1.4 in its own virtual environment, same shuffle and shard;
@@ -78,7 +82,10 @@ VAR_BOUNDS = (
     ("(b0) / (e3), the hand-over alone", "b0", "e3"),
     ("(b0') / (e3'), the hand-over alone", "b0'", "e3'"),
     ("(b2) / (e3), a fresh process's first epochs", "b2", "e3"),
+    ("(c) / (d4), the ceiling in 4 KiB pages", "c", "d4"),
 )
+#: The same for the fixed-shape cases.
+BOUNDS = (("(c) / (d4), the ceiling in 4 KiB pages", "c", "d4"),)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -227,6 +234,7 @@ def run_case(
         ("b", "stream -> tf.data", lambda: [_methods.stream_tf(ctx)]),
         ("c", "stream.batches", lambda: [_methods.stream_numpy(ctx)]),
         ("d", "numpy gather", lambda: [_methods.numpy_gather(ctx)]),
+        ("d4", "numpy gather, 4 KiB pages", lambda: [_methods.numpy_gather(ctx, base_pages=True)]),
         ("e", "TF snapshot and shard", lambda: _methods.snapshot_rows(ctx)),
         ("f", "YogaDL", lambda: [_yogadl_row(ctx, args, yogadl)]),
         ("g", "cache build", lambda: _methods.build_rows(ctx)),
@@ -258,6 +266,7 @@ def run_case(
         "first_build_seconds": first_build,
         "rows": rows,
         "targets": evaluate_targets(rows, targets),
+        "bounds": evaluate_bounds(rows, BOUNDS),
     }
 
 
@@ -289,6 +298,7 @@ def run_var_case(case: Case, args: argparse.Namespace, work: Path) -> dict[str, 
         ("z", "loop floor", lambda: _varlen.loop_floor_row(ctx)),
         ("c", "stream.batches", lambda: _varlen.stream_numpy_rows(ctx)),
         ("d", "memory gather", lambda: [_varlen.memory_gather_row(ctx)]),
+        ("d4", "memory gather, 4 KiB pages", lambda: [_varlen.memory_gather_row(ctx, True)]),
         ("p", "Grain + ArrayRecord", lambda: [_peers.grain_row(ctx)]),
     ]
     if case.kind == "jpeg":

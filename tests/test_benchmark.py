@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -24,7 +25,7 @@ from benchmarks._varlen import BUILD_PAIRS, build_pairs
 from benchmarks.read_throughput import evaluate_targets, format_case
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMED_ROWS = ("a", "b", "c", "d", "e1", "e2", "e3")
+TIMED_ROWS = ("a", "b", "c", "d", "d4", "e1", "e2", "e3")
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +58,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     return json.loads(out.read_text()), proc.stdout
 
 
-FIXED_KEYS = ["a", "b", "c", "d", "e1", "e2", "e3", "f", "g", "g2", "g3"]
+FIXED_KEYS = ["a", "b", "c", "d", "d4", "e1", "e2", "e3", "f", "g", "g2", "g3"]
 VAR_KEYS = ["a", "a'", "e3", "e3'", "b", "b'", "b1", "b2", "b0", "b0'", "z", "z'"]
-VAR_KEYS += ["c", "c2", "c3", "d", "p"]
+VAR_KEYS += ["c", "c2", "c3", "d", "d4", "p"]
 FIXED_TARGETS = [
     "(b) tf.data / (a) TFRecordDataset",
     "(c) batches / (d) numpy gather",
@@ -96,29 +97,32 @@ def test_every_case_and_method_is_reported(tiny_run: tuple[dict, str]) -> None:
         keys, targets = expected[case["case"]["name"]]
         assert [r["key"] for r in case["rows"]] == keys
         assert [t["target"] for t in case["targets"]] == targets
+        rate = {r["key"]: r["rate"] for r in case["rows"]}
+        got = {b["bound"]: b["value"] for b in case["bounds"]}
+        # (d4) is (d) from memory in 4 KiB pages: printed beside the targets, none of its own.
+        assert got["(c) / (d4), the ceiling in 4 KiB pages"] == rate["c"] / rate["d4"]
         if case["case"]["kind"] != "fixed":
             # (b2): fresh processes read the first epochs, each epoch's count and sum checked.
             fresh = next(r for r in case["rows"] if r["key"] == "b2")
             assert fresh["error"] is None and fresh["runs_ok"], fresh
             assert len(fresh["epoch_rates"]) == 4 and len(fresh["rates"]) == 2
             # The bounds are ratios of the case's own rows, printed under its targets.
-            rate = {r["key"]: r["rate"] for r in case["rows"]}
-            got = {b["bound"]: b["value"] for b in case["bounds"]}
             assert got == {
                 "(z) / (a), the Python loop alone": rate["z"] / rate["a"],
                 "(z') / (a'), the graph's consumer alone": rate["z'"] / rate["a'"],
                 "(b0) / (e3), the hand-over alone": rate["b0"] / rate["e3"],
                 "(b0') / (e3'), the hand-over alone": rate["b0'"] / rate["e3'"],
                 "(b2) / (e3), a fresh process's first epochs": rate["b2"] / rate["e3"],
+                "(c) / (d4), the ceiling in 4 KiB pages": rate["c"] / rate["d4"],
             }
     assert stdout.count("targets:") == 6
-    assert stdout.count("bounds (no target):") == 3
+    assert stdout.count("bounds (no target):") == 6
     assert "skipped (--no-yogadl)" in stdout
     assert doc["machine"]["nproc"] >= 1
 
 
 VAR_TIMED = ("a", "a'", "e3", "e3'", "b", "b'", "b1", "b0", "b0'", "z", "z'", "c", "c2", "c3", "d")
-VAR_TIMED += ("p",)
+VAR_TIMED += ("d4", "p")
 VAR_TIMED += ("k1", "k2")
 
 
@@ -176,7 +180,7 @@ def test_numbers_come_from_verified_reads(tiny_run: tuple[dict, str], key: str) 
             if key in ("a", "e1")
             else (
                 (rank + 1) * n // shards - rank * n // shards
-                if key in ("b", "c", "d")
+                if key in ("b", "c", "d", "d4")
                 else len(range(rank, n, shards))
             )
         )
@@ -484,3 +488,34 @@ def test_read_throughput_takes_the_smallest_measurable_sizes() -> None:
         ("text", 4, 1),
         ("main", 262144, 65536),
     ]
+
+
+def test_base_page_copies_are_equal_and_not_huge(tmp_path: Path) -> None:
+    from benchmarks._common import huge_mapped_kib, in_base_pages
+
+    a = np.arange(3_000_000, dtype=np.int64).reshape(1000, 3000)  # 24 MB: numpy asks for THP
+    b = in_base_pages(a)
+    assert b.shape == a.shape and b.dtype == a.dtype and np.array_equal(a, b)
+    assert not np.shares_memory(a, b)
+    assert in_base_pages(np.empty(0, np.uint8)).size == 0
+    # The copy's mapping carries MADV_NOHUGEPAGE ("nh") and holds no huge page.
+    start = b.__array_interface__["data"][0]
+    flags, huge, mine = "", -1, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            lo, hi = (int(v, 16) for v in head[0].split("-"))
+            mine = lo <= start < hi
+        elif mine and head[0] == "AnonHugePages:":
+            huge = int(head[1])
+        elif mine and head[0] == "VmFlags:":
+            flags = line
+    assert " nh" in flags and huge == 0
+    # A mapped file is counted under its path: resident KiB, and at most that in 2 MiB pages.
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(bytes(range(256)) * 4096)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert sum(m[i] for i in range(0, len(m), 4096)) == 0  # every page touched
+        rss, pmd = huge_mapped_kib(str(path))
+        assert rss >= 1024 and 0 <= pmd <= rss
+    assert huge_mapped_kib(str(tmp_path / "never-mapped")) == (0, 0)
