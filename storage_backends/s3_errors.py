@@ -162,6 +162,16 @@ def _client_side() -> tuple[_Rule, ...]:
             ),
         ),
         (
+            (bce.ReadTimeoutError,),
+            lambda w, err: BackendUnavailableError(
+                errno.ETIMEDOUT,
+                f"the S3 endpoint for {w.target} took each request but sent no answer within "
+                f"read_timeout, {w.max_attempts} attempts: {err}; the store is stalled or "
+                "overloaded (read_timeout= and max_attempts= of Store bound how long a request "
+                "waits)",
+            ),
+        ),
+        (
             (bce.ConnectionError, bce.HTTPClientError),
             lambda w, err: BackendUnavailableError(
                 errno.EHOSTUNREACH,

@@ -125,6 +125,49 @@ def test_unreachable_endpoint(endpoint: str) -> None:
     assert isinstance(info.value.__cause__, botocore.exceptions.EndpointConnectionError)
 
 
+def test_endpoint_that_never_answers_times_out(endpoint: str) -> None:
+    # It accepts connections and reads requests but never answers: after read_timeout on
+    # each of max_attempts attempts the error says so, not that the endpoint is unreachable.
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not done.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    try:
+        store = y.Store(
+            "s3://some-bucket/p",
+            endpoint_url=f"http://127.0.0.1:{port}",
+            max_attempts=2,
+            read_timeout=0.5,
+        )
+        with pytest.raises(BackendUnavailableError, match="no answer within read_timeout") as info:
+            store.open("ds", "1")
+    finally:
+        done.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+    assert info.value.errno == errno.ETIMEDOUT and "2 attempts" in str(info.value)
+    assert "some-bucket" in str(info.value) and f"127.0.0.1:{port}" in str(info.value)
+    assert isinstance(info.value.__cause__, botocore.exceptions.ReadTimeoutError)
+    assert len(held) >= 2  # every attempt got through
+
+
 @pytest.mark.parametrize(
     ("status", "code"), [(503, "SlowDown"), (500, "InternalError")], ids=["throttled", "5xx"]
 )

@@ -145,3 +145,40 @@ def test_disk_cache_is_checked_against_build_checksums(endpoint: str, tmp_path: 
         before = proxy.requests["GET"]
         assert sorted(_read_epoch(store, y.Shuffle.GLOBAL, epoch=0, ranks=1)) == expected
         assert proxy.requests["GET"] > before  # the poisoned bytes were fetched again
+
+
+# A process ends while a to_tf_dataset iterator over S3 waits for an endpoint that has
+# stopped answering: the read-ahead is inside a ranged read that would give up only after
+# read_timeout x max_attempts. The proxy runs in the child, in front of the test's moto.
+STALLED_EXIT = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from tests.backends.fault_proxy import FaultProxy
+import yogastore as y
+proxy = FaultProxy(sys.argv[2]).__enter__()
+store = y.Store(f"s3://{sys.argv[3]}/c", endpoint_url=proxy.url, cache_bytes=0,
+                lock_settle=0.0, read_timeout=90, max_attempts=2)
+stream = store.open("ds", "1").stream(0, 1, shuffle=y.Shuffle.GLOBAL, seed=1)
+it = iter(stream.to_tf_dataset(8))
+batch = next(it)
+proxy.stall.set()
+time.sleep(1.0)  # the read-ahead goes on, into stalled requests
+print("stalled", proxy.counts["stall"], flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_exit_does_not_wait_for_a_stalled_endpoint(endpoint: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent)
+    bucket = os.environ["YOGASTORE_TEST_BUCKET"]
+    cmd = [sys.executable, "-c", STALLED_EXIT, root, endpoint, bucket]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # Without the exit handling it took at least read_timeout (90 s) after "stalled".
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=75, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    assert words[0] == "stalled" and int(words[1]) >= 1, proc.stdout  # a read was stalled

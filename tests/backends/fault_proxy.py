@@ -10,6 +10,9 @@ whose path matches ``target`` get faults with the configured probabilities:
 * ``error``: ``503 SlowDown``;
 * ``reset``: the connection closed without a response.
 
+Setting ``stall`` makes every matching GET wait, unanswered, until the proxy closes (an
+endpoint that accepts requests and never answers them).
+
 ``counts`` records how many faults of each kind were injected. Faults are drawn
 from a seeded generator, so a run is repeatable up to thread interleaving.
 """
@@ -68,6 +71,8 @@ class FaultProxy:
         self.requests: collections.Counter[str] = collections.Counter()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
+        self.stall = threading.Event()
+        self._closing = threading.Event()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -95,6 +100,7 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -134,6 +140,13 @@ class FaultProxy:
                 self.counts["not_implemented"] += 1
             self._error(handler, 501, "NotImplemented")
             return
+        path = urllib.parse.urlsplit(handler.path).path
+        if self.stall.is_set() and handler.command == "GET" and self.target.search(path):
+            with self._lock:
+                self.counts["stall"] += 1
+            self._closing.wait(600)
+            handler.close_connection = True
+            return
         headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP}
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
@@ -146,7 +159,6 @@ class FaultProxy:
             )
         finally:
             conn.close()
-        path = urllib.parse.urlsplit(handler.path).path
         with self._lock:
             self.requests[handler.command] += 1
         fault = None

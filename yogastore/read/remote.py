@@ -51,7 +51,6 @@ chunks, indexes, data blocks fetched or served by the disk cache).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -75,6 +74,7 @@ from yogastore.arrays import IntArray
 from yogastore.format import ChunkView, ColumnBatch, gather, parse_header
 from yogastore.format.blocks import BlockSums
 from yogastore.format.manifest import Manifest, checksum
+from yogastore.read import waits
 from yogastore.read.diskcache import DiskCache
 from yogastore.read.read_options import ReadOptions
 from yogastore.read.reader import ReadStats, locate, missing_chunk_error, verify_chunk
@@ -88,6 +88,7 @@ from yogastore.read.remote_plan import (
     first_jobs,
     record_jobs,
 )
+from yogastore.read.waits import DaemonPool
 
 __all__ = ["RemoteChunkSource", "coalesce"]
 
@@ -136,8 +137,8 @@ class RemoteChunkSource:
         self._handed: dict[int, Planned] = {}
         self._counted: set[Planned] = set()  # planned batches within the horizon
         self._lock = threading.Lock()
-        self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._prep_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._fetch_pool: DaemonPool | None = None
+        self._prep_pool: DaemonPool | None = None
         mean = manifest.num_records / max(len(manifest.chunks), 1)
         # Capped: the horizon's records are indexed before any chunk is read, and only a
         # manifest's counts say how many there are (a damaged one could claim 2**47).
@@ -147,6 +148,7 @@ class RemoteChunkSource:
             3 * self.options.horizon_chunks * max((c.nbytes for c in manifest.chunks), default=0),
         )
         self._pid = os.getpid()
+        self._born = waits.current()  # waits end if the process exits (yogastore.read.waits)
         self._reopen = False
         self.cache = self._open_cache()
         _LIVE.add(self)
@@ -301,20 +303,16 @@ class RemoteChunkSource:
                 item.counted = False
                 self._counted.discard(item)
 
-    def _prep(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _prep(self) -> DaemonPool:
         with self._lock:
             if self._prep_pool is None:
-                self._prep_pool = concurrent.futures.ThreadPoolExecutor(
-                    2, thread_name_prefix="yoga-ahead"
-                )
+                self._prep_pool = DaemonPool(2, "yoga-ahead", self._born)
             return self._prep_pool
 
-    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _pool(self) -> DaemonPool:
         with self._lock:
             if self._fetch_pool is None:
-                self._fetch_pool = concurrent.futures.ThreadPoolExecutor(
-                    self._max_parallel, thread_name_prefix="yoga-get"
-                )
+                self._fetch_pool = DaemonPool(self._max_parallel, "yoga-get", self._born)
             return self._fetch_pool
 
     def _prepare(self, item: Planned) -> None:
@@ -592,7 +590,7 @@ class RemoteChunkSource:
             pool = self._pool()
             futures = [pool.submit(self._get, job, a, b) for job, a, b in fetches]
             try:
-                results = [f.result() for f in futures]
+                results = [waits.result(f, self._born) for f in futures]
             finally:
                 for f in futures:
                     f.cancel()

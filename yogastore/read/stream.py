@@ -27,6 +27,7 @@ from yogastore import boundedjson
 from yogastore.arrays import IntArray
 from yogastore.checks import check_int, is_int
 from yogastore.format import StringFormat
+from yogastore.read import waits
 from yogastore.read.assemble import batch_components, batch_length, element_components, slice_batch
 from yogastore.read.assignment import Assignment, StaticAssignment
 from yogastore.read.order import (
@@ -412,17 +413,22 @@ class Stream:
                 yield records, gather(records)
                 consume(len(records))
             return
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="yogastore") as pool:
+        # Daemon workers, and waits that end at exit: see yogastore.read.waits.
+        born = waits.current()
+        pool = waits.DaemonPool(1, "yogastore", born)
+        try:
             window: list[tuple[IntArray, concurrent.futures.Future[Any]]] = []
             for records in indices:
                 window.append((records, pool.submit(gather, records)))
                 if len(window) > depth:
                     records0, fut = window.pop(0)
-                    yield records0, fut.result()
+                    yield records0, waits.result(fut, born)
                     consume(len(records0))
             for records0, fut in window:
-                yield records0, fut.result()
+                yield records0, waits.result(fut, born)
                 consume(len(records0))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def __iter__(self) -> Iterator[Any]:
         schema = self.ref.schema

@@ -21,8 +21,10 @@ import tensorflow as tf
 from storage_backends.errors import UnsupportedElementError
 from yogastore.format.batch import StringFormat, StringRanges
 from yogastore.format.layout import ALIGN
+from yogastore.read import waits
 from yogastore.read.assemble import batch_components, element_components, slice_rows
 from yogastore.read.stream import Stream, fixed_numeric, splittable
+from yogastore.read.waits import ProcessExiting
 from yogastore.spec import ComponentSpec, Kind, RaggedValue, Schema, row_bytes
 from yogastore.train import tf_ops
 from yogastore.train.tf_spec import tf_dtype
@@ -70,10 +72,6 @@ class _ExitState:
 _exit_state = _ExitState()
 
 
-class ProcessExiting(RuntimeError):
-    """A ``to_tf_dataset`` generator was ended because the process is exiting."""
-
-
 def _forked() -> None:
     """In a fork's child: only the forking thread lives on, in no generator step."""
     global _exit_lock
@@ -86,6 +84,7 @@ os.register_at_fork(after_in_child=_forked)
 
 def _end_generators() -> None:
     """``atexit``: end the generators alive now and wait until no generator runs."""
+    waits.end_waits()  # an object-store read they wait for ends too
     with _exit_lock:
         _exit_state.generation += 1
         _exit_state.last = time.monotonic()  # wait at least _EXIT_QUIET, GIL released

@@ -1,0 +1,139 @@
+"""Waits of the read paths that end when the process exits, and workers that never delay it.
+
+An object-store read can wait minutes for an endpoint that stalls (each request up to
+``read_timeout``, ``max_attempts`` times). Two things would then hold up the exit of a
+process that still has a reader running:
+
+- ``concurrent.futures`` joins its pools' worker threads before ``atexit`` handlers run, so
+  a worker inside such a request delays the exit until the request gives up;
+- a ``tf.data`` read-ahead thread waiting in a reader for such a worker keeps TensorFlow's
+  teardown of its iterator waiting.
+
+So the readers run their fetches on ``DaemonPool`` threads (never joined at exit), and wait
+for them with ``result``, which raises ``ProcessExiting`` once ``end_waits`` has run. A
+reader notes ``current()`` when it is made and passes it to its waits: the waits of readers
+made before the exit began end within ``_POLL`` seconds, those of readers made later (in an
+exit handler of the caller's) wait as usual.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["DaemonPool", "ProcessExiting", "current", "end_waits", "result"]
+
+_T = TypeVar("_T")
+_POLL = 0.05
+_lock = threading.Lock()
+_generation = 0
+
+
+class ProcessExiting(RuntimeError):
+    """A read was ended because the process is exiting."""
+
+
+def end_waits() -> None:
+    """End the waits running now (called at exit, before TensorFlow tears iterators down)."""
+    global _generation
+    with _lock:
+        _generation += 1
+
+
+def current() -> int:
+    """The number of exits begun (0, or 1 in exit handlers that run after ``end_waits``)."""
+    with _lock:
+        return _generation
+
+
+def result(future: concurrent.futures.Future[_T], born: int) -> _T:
+    """Return ``future.result()``, or raise ``ProcessExiting`` once ``current() != born``."""
+    while True:
+        try:
+            return future.result(timeout=_POLL)
+        except concurrent.futures.TimeoutError:
+            if current() != born:
+                future.cancel()
+                raise ProcessExiting(
+                    "the process is exiting: a read still waiting for its data was ended"
+                ) from None
+
+
+class DaemonPool:
+    """A small thread pool whose workers are daemon threads.
+
+    ``submit`` returns a ``concurrent.futures.Future``. Workers start as work arrives, up to
+    ``workers``. ``shutdown`` stops them; with ``wait`` it waits for the running calls, but
+    not once ``current()`` differs from ``born`` (the process is exiting, see ``end_waits``).
+    """
+
+    def __init__(self, workers: int, name: str, born: int) -> None:
+        self._born = born
+        self._max = max(int(workers), 1)
+        self._name = name
+        self._queue: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: cannot submit work after shutdown")
+            self._queue.put((future, fn, args))
+            if self._idle == 0 and len(self._threads) < self._max:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+            else:
+                self._idle -= 1 if self._idle else 0
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    value = fn(*args)
+                except BaseException as err:  # handed to the waiter, as an executor does
+                    future.set_exception(err)
+                else:
+                    future.set_result(value)
+            del item, future, fn, args
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Stop the workers; cancel the queued calls if asked; wait for the running ones."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._queue.put(None)
+        if not wait:
+            return
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(_POLL)
+                if current() != self._born:
+                    return
