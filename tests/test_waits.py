@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import threading
 import time
 
@@ -30,10 +31,15 @@ def test_pool_runs_calls_and_hands_back_results_and_errors() -> None:
 def test_shutdown_cancels_queued_calls_and_waits_for_running_ones() -> None:
     born = waits.current()
     pool = waits.DaemonPool(1, "q", born)
-    gate = threading.Event()
-    running = pool.submit(gate.wait, 5)
+    gate, started = threading.Event(), threading.Event()
+
+    def run() -> bool:
+        started.set()
+        return gate.wait(5)
+
+    running = pool.submit(run)
     queued = [pool.submit(lambda: "ran") for _ in range(3)]
-    time.sleep(0.05)
+    assert started.wait(5)
     threading.Timer(0.2, gate.set).start()
     pool.shutdown(wait=True, cancel_futures=True)
     assert running.result(0) is True  # waited for, not cut short
@@ -55,13 +61,40 @@ def test_a_wait_of_a_reader_made_before_exit_began_ends() -> None:
     assert waits.result(done, waits.current() - 1) == 7  # a result already there is taken
     # A stuck worker does not hold up shutdown once the process is exiting.
     pool = waits.DaemonPool(1, "s", waits.current() - 1)
-    gate = threading.Event()
-    pool.submit(gate.wait, 30)
-    time.sleep(0.05)
+    gate, started = threading.Event(), threading.Event()
+    pool.submit(lambda: started.set() or gate.wait(30))
+    assert started.wait(5)
     started = time.monotonic()
     pool.shutdown(wait=True)
     assert time.monotonic() - started < 5
     gate.set()
+
+
+def test_a_call_that_raises_timeout_error_hands_it_back() -> None:
+    # TimeoutError is also what concurrent.futures raises for a wait that timed out.
+    born = waits.current()
+    pool = waits.DaemonPool(1, "e", born)
+
+    def slow_then_timeout() -> None:
+        time.sleep(0.2)  # longer than a poll
+        raise TimeoutError("the call's own")
+
+    with pytest.raises(TimeoutError, match="the call's own"):
+        waits.result(pool.submit(slow_then_timeout), born)
+    pool.shutdown()
+
+
+def test_a_pool_freed_without_shutdown_stops_its_workers() -> None:
+    pool = waits.DaemonPool(4, "freed", waits.current())
+    big = [pool.submit(lambda: bytearray(1 << 20)) for _ in range(8)]
+    assert all(len(waits.result(f, waits.current())) == 1 << 20 for f in big)
+    workers = [t for t in threading.enumerate() if t.name.startswith("freed_")]
+    assert workers
+    del pool, big
+    gc.collect()
+    for thread in workers:
+        thread.join(5)
+    assert not any(t.is_alive() for t in workers)
 
 
 def test_process_exiting_is_the_one_tf_read_exports() -> None:

@@ -19,8 +19,10 @@ exit handler of the caller's) wait as usual.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,23 +45,70 @@ def end_waits() -> None:
         _generation += 1
 
 
+def _forked() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def current() -> int:
     """The number of exits begun (0, or 1 in exit handlers that run after ``end_waits``)."""
-    with _lock:
-        return _generation
+    return _generation  # one read of an int: no lock (waiting threads read it every poll)
 
 
 def result(future: concurrent.futures.Future[_T], born: int) -> _T:
     """Return ``future.result()``, or raise ``ProcessExiting`` once ``current() != born``."""
     while True:
-        try:
-            return future.result(timeout=_POLL)
-        except concurrent.futures.TimeoutError:
-            if current() != born:
-                future.cancel()
-                raise ProcessExiting(
-                    "the process is exiting: a read still waiting for its data was ended"
-                ) from None
+        # wait(), not result(timeout=): a call that raised TimeoutError itself is done.
+        done, _ = concurrent.futures.wait((future,), timeout=_POLL)
+        if done:
+            return future.result()
+        if current() != born:
+            future.cancel()
+            raise ProcessExiting(
+                "the process is exiting: a read still waiting for its data was ended"
+            )
+
+
+class _Shared:
+    """What a pool's workers share with it (never the pool itself, so that it can be freed)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.idle = 0
+        self.threads: list[threading.Thread] = []
+
+
+def _work(shared: _Shared) -> None:
+    while True:
+        item = shared.queue.get()
+        if item is None:
+            return
+        future, fn, args = item
+        if future.set_running_or_notify_cancel():
+            try:
+                value = fn(*args)
+            except BaseException as err:  # handed to the waiter, as an executor does
+                future.set_exception(err)
+            else:
+                future.set_result(value)
+                del value
+        del item, future, fn, args
+        with shared.lock:
+            shared.idle += 1
+
+
+def _stop(shared: _Shared) -> None:
+    """Tell every worker to stop once the queued calls ahead of it are done."""
+    with shared.lock:
+        count = len(shared.threads)
+    for _ in range(count):
+        shared.queue.put(None)
 
 
 class DaemonPool:
@@ -68,68 +117,52 @@ class DaemonPool:
     ``submit`` returns a ``concurrent.futures.Future``. Workers start as work arrives, up to
     ``workers``. ``shutdown`` stops them; with ``wait`` it waits for the running calls, but
     not once ``current()`` differs from ``born`` (the process is exiting, see ``end_waits``).
+    A pool freed without ``shutdown`` stops its workers too, as an executor's do.
     """
 
     def __init__(self, workers: int, name: str, born: int) -> None:
         self._born = born
         self._max = max(int(workers), 1)
         self._name = name
-        self._queue: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None
-        ] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._idle = 0
-        self._lock = threading.Lock()
+        self._shared = _Shared()
         self._closed = False
+        self._finalizer = weakref.finalize(self, _stop, self._shared)
 
     def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
         future: concurrent.futures.Future[_T] = concurrent.futures.Future()
-        with self._lock:
+        shared = self._shared
+        with shared.lock:
             if self._closed:
                 raise RuntimeError(f"{self._name}: cannot submit work after shutdown")
-            self._queue.put((future, fn, args))
-            if self._idle == 0 and len(self._threads) < self._max:
+            shared.queue.put((future, fn, args))
+            if shared.idle == 0 and len(shared.threads) < self._max:
                 thread = threading.Thread(
-                    target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
+                    target=_work,
+                    args=(shared,),
+                    name=f"{self._name}_{len(shared.threads)}",
+                    daemon=True,
                 )
-                self._threads.append(thread)
                 thread.start()
-            else:
-                self._idle -= 1 if self._idle else 0
+                shared.threads.append(thread)
+            elif shared.idle:
+                shared.idle -= 1
         return future
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    value = fn(*args)
-                except BaseException as err:  # handed to the waiter, as an executor does
-                    future.set_exception(err)
-                else:
-                    future.set_result(value)
-            del item, future, fn, args
-            with self._lock:
-                self._idle += 1
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """Stop the workers; cancel the queued calls if asked; wait for the running ones."""
-        with self._lock:
+        shared = self._shared
+        with shared.lock:
             self._closed = True
-            threads = list(self._threads)
+            threads = list(shared.threads)
         if cancel_futures:
             while True:
                 try:
-                    item = self._queue.get_nowait()
+                    item = shared.queue.get_nowait()
                 except queue.Empty:
                     break
                 if item is not None:
                     item[0].cancel()
-        for _ in threads:
-            self._queue.put(None)
+        self._finalizer()  # puts one stop per worker, once
         if not wait:
             return
         for thread in threads:
