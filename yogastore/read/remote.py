@@ -88,7 +88,6 @@ from yogastore.read.remote_plan import (
     first_jobs,
     record_jobs,
 )
-from yogastore.read.waits import DaemonPool
 
 __all__ = ["RemoteChunkSource", "coalesce"]
 
@@ -137,8 +136,8 @@ class RemoteChunkSource:
         self._handed: dict[int, Planned] = {}
         self._counted: set[Planned] = set()  # planned batches within the horizon
         self._lock = threading.Lock()
-        self._fetch_pool: DaemonPool | None = None
-        self._prep_pool: DaemonPool | None = None
+        self._fetch_pool: waits.DaemonPool | None = None
+        self._prep_pool: waits.DaemonPool | None = None
         mean = manifest.num_records / max(len(manifest.chunks), 1)
         # Capped: the horizon's records are indexed before any chunk is read, and only a
         # manifest's counts say how many there are (a damaged one could claim 2**47).
@@ -303,16 +302,16 @@ class RemoteChunkSource:
                 item.counted = False
                 self._counted.discard(item)
 
-    def _prep(self) -> DaemonPool:
+    def _prep(self) -> waits.DaemonPool:
         with self._lock:
             if self._prep_pool is None:
-                self._prep_pool = DaemonPool(2, "yoga-ahead", self._born)
+                self._prep_pool = waits.DaemonPool(2, "yoga-ahead", self._born)
             return self._prep_pool
 
-    def _pool(self) -> DaemonPool:
+    def _pool(self) -> waits.DaemonPool:
         with self._lock:
             if self._fetch_pool is None:
-                self._fetch_pool = DaemonPool(self._max_parallel, "yoga-get", self._born)
+                self._fetch_pool = waits.DaemonPool(self._max_parallel, "yoga-get", self._born)
             return self._fetch_pool
 
     def _prepare(self, item: Planned) -> None:

@@ -19,7 +19,6 @@ exit handler of the caller's) wait as usual.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import queue
 import threading
 import weakref
@@ -30,7 +29,6 @@ __all__ = ["DaemonPool", "ProcessExiting", "current", "end_waits", "result"]
 
 _T = TypeVar("_T")
 _POLL = 0.05
-_lock = threading.Lock()
 _generation = 0
 
 
@@ -39,23 +37,18 @@ class ProcessExiting(RuntimeError):
 
 
 def end_waits() -> None:
-    """End the waits running now (called at exit, before TensorFlow tears iterators down)."""
+    """End the waits running now.
+
+    Called by ``to_tf_dataset``'s exit handler alone, before TensorFlow tears iterators
+    down; it also ends that module's generators made before it (they note ``current()``).
+    """
     global _generation
-    with _lock:
-        _generation += 1
-
-
-def _forked() -> None:
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forked)
+    _generation += 1
 
 
 def current() -> int:
     """The number of exits begun (0, or 1 in exit handlers that run after ``end_waits``)."""
-    return _generation  # one read of an int: no lock (waiting threads read it every poll)
+    return _generation
 
 
 def result(future: concurrent.futures.Future[_T], born: int) -> _T:

@@ -66,7 +66,6 @@ class _ExitState:
     registered = False  # the atexit handler
     busy = 0  # generator steps running
     last = 0.0  # time.monotonic() of the last step's start or end
-    generation = 0  # generators started before the last exit handler ran are ended
 
 
 _exit_state = _ExitState()
@@ -84,9 +83,8 @@ os.register_at_fork(after_in_child=_forked)
 
 def _end_generators() -> None:
     """``atexit``: end the generators alive now and wait until no generator runs."""
-    waits.end_waits()  # an object-store read they wait for ends too
+    waits.end_waits()  # the generators made before now end, and the reads they wait for
     with _exit_lock:
-        _exit_state.generation += 1
         _exit_state.last = time.monotonic()  # wait at least _EXIT_QUIET, GIL released
     deadline = time.monotonic() + _EXIT_WAIT
     while time.monotonic() < deadline:
@@ -98,10 +96,10 @@ def _end_generators() -> None:
 
 
 def _enter(born: int) -> None:
-    """Count a generator step in; raise ``ProcessExiting`` if exit ended its generation."""
+    """Count a generator step in; raise ``ProcessExiting`` if the exit began after ``born``."""
     with _exit_lock:
         _exit_state.last = time.monotonic()
-        if _exit_state.generation != born:
+        if waits.current() != born:
             raise ProcessExiting("the process is exiting: this to_tf_dataset iterator was ended")
         _exit_state.busy += 1
 
@@ -123,7 +121,7 @@ def _ends_at_exit(
             if not _exit_state.registered:
                 atexit.register(_end_generators)
                 _exit_state.registered = True
-            born = _exit_state.generation
+        born = waits.current()
         items = generate()
         try:
             while True:
