@@ -12,8 +12,9 @@ import pytest
 import tensorflow as tf
 
 import yogastore
+import yogastore.format.memory as memory
 from yogastore import StringBuffer, StringFormat, StringRanges
-from yogastore._gather import gather_ranges, split_bytes
+from yogastore._gather import gather_ranges, ranges_at, split_bytes
 from yogastore.format import ChunkBuilder, ChunkView, ColumnSpec, reshape_values
 from yogastore.format.memory import VarRows, _segments
 
@@ -172,6 +173,131 @@ def test_gather_ranges_names_a_bad_range_it_read_ahead_of(bad_start: int) -> Non
     np.testing.assert_array_equal(dst[: 12 * 90], src[_segments(starts[:12], lengths[:12])])
 
 
+# ranges_at: chunk c's offset pairs (rows[c] + 1 int64s) start at PAIRS[c] and its values
+# at DATA[c], addresses of a source whose first byte is at LOWEST; chunk 2 was never added.
+LOWEST = 1 << 20
+
+
+def _offset_tables(
+    rng: np.random.Generator, item: int
+) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Three chunks of offset tables and values: (src, tables, pairs, rows, limits, data)."""
+    parts: list[bytes] = []
+    pairs, data = np.zeros(4, np.int64), np.zeros(4, np.int64)
+    rows, limits = np.zeros(4, np.int64), np.zeros(4, np.int64)
+    tables = []
+    at = 0
+    for c in (1, 0, 3):  # not in chunk order, as chunks lie in a map
+        counts = rng.integers(0, 6, size=int(rng.integers(1, 60)))
+        counts[::7] = 0  # empty records
+        table = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        values = rng.integers(0, 256, size=int(table[-1]) * item, dtype=np.uint8)
+        pairs[c], rows[c], limits[c] = LOWEST + at, len(counts), table[-1]
+        parts.append(table.tobytes())
+        at += table.nbytes
+        data[c] = LOWEST + at
+        parts.append(values.tobytes() + bytes(int(rng.integers(0, 9))))
+        at += len(parts[-1])
+        tables.append(table)
+    tables = [tables[1], tables[0], np.zeros(1, np.int64), tables[2]]  # by chunk
+    return np.frombuffer(b"".join(parts), np.uint8), tables, pairs, rows, limits, data
+
+
+@pytest.mark.parametrize(("seed", "item"), [(0, 1), (1, 4), (2, 8), (3, 1)])
+def test_ranges_at_matches_its_numpy_definition(seed: int, item: int) -> None:
+    rng = np.random.default_rng(seed)
+    src, tables, pairs, rows, limits, data = _offset_tables(rng, item)
+    chunks = rng.choice([0, 1, 3], size=500).astype(np.int64)
+    local = np.array([rng.integers(0, rows[c]) for c in chunks], np.int64)
+    starts, lengths = np.empty(500, np.int64), np.empty(500, np.int64)
+    offsets = np.empty(501, np.int64)
+    total, bad = ranges_at(
+        starts, lengths, offsets, src, pairs, rows, limits, data, chunks, local, LOWEST, item
+    )
+    first = np.array([tables[c][j] for c, j in zip(chunks, local, strict=True)])
+    last = np.array([tables[c][j + 1] for c, j in zip(chunks, local, strict=True)])
+    want = (last - first) * item
+    assert bad == -1 and total == want.sum()
+    np.testing.assert_array_equal(lengths, want)
+    np.testing.assert_array_equal(
+        starts, np.where(want > 0, data[chunks] - LOWEST + first * item, 0)
+    )
+    np.testing.assert_array_equal(offsets, np.concatenate([[0], np.cumsum(last - first)]))
+    assert (want == 0).any() and (starts[want == 0] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("chunk", "local", "error", "message"),
+    [
+        (4, 0, IndexError, "record 40 names chunk 4 of 4"),
+        (-1, 0, IndexError, "record 40 names chunk -1 of 4"),
+        (2, 0, RuntimeError, "record 40 names chunk 2, which was never added"),
+        (0, -1, IndexError, "record 40 is record -1 of its chunk"),
+        (0, "rows", IndexError, "record 40 is record \\d+ of its chunk"),
+        (0, 2**62, IndexError, f"record 40 is record {2**62} of its chunk"),
+    ],
+)
+def test_ranges_at_names_the_bad_record(
+    chunk: int, local: int | str, error: type[Exception], message: str
+) -> None:
+    src, _tables, pairs, rows, limits, data = _offset_tables(np.random.default_rng(9), 2)
+    chunks, where = np.full(50, 1, np.int64), np.zeros(50, np.int64)
+    chunks[40] = chunk
+    where[40] = rows[0] if local == "rows" else local
+    out = [np.empty(50, np.int64), np.empty(50, np.int64), np.empty(51, np.int64)]
+    with pytest.raises(error, match=message):
+        ranges_at(*out, src, pairs, rows, limits, data, chunks, where, LOWEST, 2)
+
+
+@pytest.mark.parametrize(
+    ("pair", "limit"),
+    [((-1, 2), None), ((3, 2), None), ((0, 10**6), None), ((0, 2**62), 2**62), ((0, 2**40), 2**62)],
+    ids=["negative", "backwards", "past-limit", "overflowing", "past-the-source"],
+)
+def test_ranges_at_names_the_first_record_whose_offsets_are_out_of_bounds(
+    pair: tuple[int, int], limit: int | None
+) -> None:
+    src, tables, pairs, rows, limits, data = _offset_tables(np.random.default_rng(4), 8)
+    src = src.copy()
+    at = int(pairs[3] - LOWEST)  # chunk 3: every record empty but the one made bad here
+    src[at : at + tables[3].nbytes] = np.zeros(tables[3].nbytes, np.uint8)
+    src[at : at + 16] = np.array(pair, np.int64).view(np.uint8)
+    if limit is not None:  # a chunk that claims that many values
+        limits[3] = limit
+    chunks, local = np.full(40, 1, np.int64), np.arange(40, dtype=np.int64) % rows[1]
+    chunks[17:], local[17:] = 3, 0
+    good = local[:17]
+    expected = int((tables[1][good + 1] - tables[1][good]).sum()) * 8
+    out = [np.empty(40, np.int64), np.empty(40, np.int64), np.empty(41, np.int64)]
+    if pair[1] == 2**40:  # within its limit, but the range lies outside the source
+        with pytest.raises(IndexError, match="record 17 reads byte"):
+            ranges_at(*out, src, pairs, rows, limits, data, chunks, local, LOWEST, 8)
+        return
+    total, bad = ranges_at(*out, src, pairs, rows, limits, data, chunks, local, LOWEST, 8)
+    assert bad == 17, "the first bad record, not a later one"
+    assert total == expected > 0
+
+
+def test_ranges_at_rejects_bad_buffers() -> None:
+    src, _tables, pairs, rows, limits, data = _offset_tables(np.random.default_rng(5), 1)
+    chunks, local = np.ones(3, np.int64), np.zeros(3, np.int64)
+    s, n, o = np.empty(3, np.int64), np.empty(3, np.int64), np.empty(4, np.int64)
+    with pytest.raises(ValueError, match="offsets of n \\+ 1"):
+        ranges_at(s, n, o[:3], src, pairs, rows, limits, data, chunks, local, LOWEST, 1)
+    with pytest.raises(ValueError, match="one per chunk"):
+        ranges_at(s, n, o, src, pairs, rows[:3], limits, data, chunks, local, LOWEST, 1)
+    with pytest.raises(ValueError, match="int64"):
+        ranges_at(
+            s, n, o, src, pairs, rows, limits, data, chunks.astype(np.int32), local, LOWEST, 1
+        )
+    with pytest.raises(ValueError, match="item"):
+        ranges_at(s, n, o, src, pairs, rows, limits, data, chunks, local, LOWEST, -1)
+    frozen = np.empty(3, np.int64)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError):
+        ranges_at(frozen, n, o, src, pairs, rows, limits, data, chunks, local, LOWEST, 1)
+
+
 def test_split_bytes_cuts_and_checks() -> None:
     data = np.frombuffer(b"abc\x00de", np.uint8)
     assert split_bytes(data, np.array([0, 0, 4, 6], np.int64)) == [b"", b"abc\x00", b"de"]
@@ -300,6 +426,60 @@ def test_gathered_shapes_and_values_match_every_layout(
         else:
             np.testing.assert_array_equal(got, values[i])
             assert got.dtype == values[i].dtype
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        STRING,
+        TOKENS,
+        ColumnSpec("var", "float32", (2, None)),
+        ColumnSpec("var", "int64", (None, None)),
+        ColumnSpec("bytes", "string", (None,)),
+    ],
+    ids=["string", "tokens", "2-none", "none-none", "str-none"],
+)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_compiled_locate_gathers_what_the_numpy_definition_gathers(
+    spec: ColumnSpec, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records of three chunks lying in one buffer, empty strings and rows among them."""
+    rng = np.random.default_rng(7)
+    raws, counts = [], [5, 9, 3]
+    for c, n in enumerate(counts):
+        values = []
+        for i in range(n):
+            shape = tuple(int(rng.integers(0, 4)) if d is None else d for d in spec.shape)
+            values.append(_values(spec, shape, 100 * c + i))
+        raws.append(_chunk(values, spec)[0])
+    whole = bytearray(b"".join(bytes(r) for r in raws))
+    region = (np.frombuffer(whole, np.uint8).__array_interface__["data"][0], len(whole))
+    views, at = [], 0
+    for c, raw in enumerate(raws):
+        views.append(ChunkView(memoryview(whole)[at : at + len(raw)], [spec], counts[c], f"c{c}"))
+        at += len(raw)
+    chunks = rng.integers(0, 3, size=200).astype(np.int64)
+    local = np.array([rng.integers(0, counts[c]) for c in chunks], np.int64)
+    got = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(memory, "_LOCATE_COMPILED", compiled)
+        rows = VarRows(spec, 3)
+        for c, view in enumerate(views):
+            rows.add(c, view, 0)
+        batch = rows.gather(chunks, local, region if in_place else None)
+        assert (batch.ranges is not None) == (in_place and spec.layout == "bytes")
+        got[compiled] = [batch.record(j) for j in range(len(local))], batch.shapes.tolist()
+    (new, new_shapes), (old, old_shapes) = got[True], got[False]
+    assert new_shapes == old_shapes
+    if spec is not STRING:
+        assert any(0 in s for s in new_shapes), "a record without values among them"
+    for a, b in zip(new, old, strict=True):
+        if spec.layout == "bytes":
+            assert np.asarray(a, dtype=object).tolist() == np.asarray(b, dtype=object).tolist()
+        else:
+            np.testing.assert_array_equal(a, b)
+    if spec is STRING:
+        assert b"" in [bytes(x) for x in new], "an empty string among them"
 
 
 def test_a_record_size_that_does_not_fit_the_shape_is_corruption() -> None:

@@ -20,6 +20,15 @@
  * strings, ragged values) and returns the bytes written. Each (start, length)
  * is checked on the read the copy uses, without the GIL.
  *
+ * ranges_at(starts, lengths, offsets, src, pairs, rows, limits, data, chunks,
+ * local, lowest, item) locates variable-length records in one loop: the offset
+ * pair of record local[i] of chunk chunks[i] (at pairs[c] - lowest +
+ * local[i] * 8, local[i] < rows[c]) must satisfy 0 <= a <= b <= limits[c]; it
+ * gives the range [data[c] - lowest + a * item, + (b - a) * item) of src
+ * (starts, lengths) and the running count of values (offsets). Returns
+ * (total bytes, first record whose offsets are out of bounds or -1); any other
+ * bad chunk, record or range raises as gather_rows_at does.
+ *
  * split_bytes(data, offsets) returns the list of bytes objects
  * data[offsets[i] : offsets[i + 1]] (strings as Python objects, when asked for).
  *
@@ -46,7 +55,7 @@
  * permutation of yogastore.read.order.FeistelPermutation (same rounds, same words,
  * same cycle walking) on int64 values in [0, n), writing int64 images to out.
  *
- * gather_rows, gather_ranges and hash_blocks read memory maps of store files. A
+ * gather_rows, gather_ranges, ranges_at and hash_blocks read memory maps of store files. A
  * file cut short under a map turns a read of its lost pages into SIGBUS, which
  * would kill the process; while these loops run, a SIGBUS in their thread ends
  * the loop instead and the call raises MappedFault (an OSError), so the caller
@@ -430,6 +439,201 @@ done:
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&addresses);
+    PyBuffer_Release(&chunks);
+    PyBuffer_Release(&local);
+    return result;
+}
+
+/* ranges_at: for record local[i] of chunk c = chunks[i], the pair of int64
+ * offsets (a, b) at byte pairs[c] - lowest + local[i] * 8 of src, with local[i]
+ * < rows[c] and 0 <= a <= b <= limits[c], gives the byte range
+ * [data[c] - lowest + a * item, + (b - a) * item) of src; starts[i] and
+ * lengths[i] receive it (start 0 for an empty range), offsets[i + 1] =
+ * offsets[i] + b - a (offsets[0] = 0). Returns the first i that is bad (its
+ * reason in *why: 1 chunk out of range, 2 chunk not added, 3 pair or range
+ * outside src, 4 a bad record number, 5 offsets out of bounds), or -1, and the
+ * bytes of all ranges in *total. Every value is read once, then checked and
+ * used. */
+struct var_call {
+    int64_t *starts, *lengths, *offsets;
+    const char *in;
+    const int64_t *pairs, *rows, *limits, *data, *chunks, *local;
+    Py_ssize_t n, num_chunks;
+    int64_t lowest, src_len, item, total, bad_value;
+    Py_ssize_t bad;
+    int why;
+};
+
+static inline int64_t pair_start(const struct var_call *c, Py_ssize_t i, int64_t *chunk_out,
+                                 int *why, int64_t *value) {
+    int64_t chunk, local, address, rows, base, start;
+    memcpy(&chunk, c->chunks + i, sizeof chunk);
+    memcpy(&local, c->local + i, sizeof local);
+    if (chunk < 0 || chunk >= (int64_t)c->num_chunks) {
+        *why = 1;
+        *value = chunk;
+        return -1;
+    }
+    memcpy(&address, c->pairs + chunk, sizeof address);
+    if (address == 0) {
+        *why = 2;
+        *value = chunk;
+        return -1;
+    }
+    memcpy(&rows, c->rows + chunk, sizeof rows);
+    if (local < 0 || local >= rows || __builtin_sub_overflow(address, c->lowest, &base) ||
+        local > INT64_MAX / 8 || __builtin_add_overflow(base, local * 8, &start)) {
+        *why = 4;
+        *value = local;
+        return -1;
+    }
+    if (start < 0 || start > c->src_len - 16) {
+        *why = 3;
+        *value = start;
+        return -1;
+    }
+    *chunk_out = chunk;
+    return start;
+}
+
+static void var_step(void *state) {
+    struct var_call *c = state;
+    int64_t total = 0, count = 0;
+    c->bad = -1;
+    c->offsets[0] = 0;
+    for (Py_ssize_t i = 0; i < c->n; i++) {
+        if (i + PREFETCH_AHEAD < c->n) {
+            int64_t chunk, local, address;
+            memcpy(&chunk, c->chunks + i + PREFETCH_AHEAD, sizeof chunk);
+            memcpy(&local, c->local + i + PREFETCH_AHEAD, sizeof local);
+            if (chunk >= 0 && chunk < (int64_t)c->num_chunks) {
+                memcpy(&address, c->pairs + chunk, sizeof address);
+                int64_t p;
+                if (address != 0 && local >= 0 && local <= c->src_len &&
+                    !__builtin_sub_overflow(address, c->lowest, &p) && p >= 0 &&
+                    p <= c->src_len - 16 - local * 8) {
+                    p += local * 8;
+                    __builtin_prefetch(c->in + p, 0, 0);
+                }
+            }
+        }
+        int why = 0;
+        int64_t value = 0, chunk = 0;
+        int64_t at = pair_start(c, i, &chunk, &why, &value);
+        if (at < 0) {
+            c->bad = i;
+            c->why = why;
+            c->bad_value = value;
+            break;
+        }
+        int64_t a, b, limit, data, span, length, start = 0;
+        memcpy(&a, c->in + at, sizeof a);
+        memcpy(&b, c->in + at + 8, sizeof b);
+        memcpy(&limit, c->limits + chunk, sizeof limit);
+        if (a < 0 || b < a || b > limit) {
+            c->bad = i;
+            c->why = 5;
+            c->bad_value = a < 0 || b < a ? a : b;
+            break;
+        }
+        memcpy(&data, c->data + chunk, sizeof data);
+        if (__builtin_mul_overflow(b - a, c->item, &length)) {
+            c->bad = i;
+            c->why = 5;
+            c->bad_value = b;
+            break;
+        }
+        /* An empty range is copied from start 0: the data of a chunk without
+         * values may lie outside src. */
+        if (length > 0 && (__builtin_mul_overflow(a, c->item, &span) ||
+                           __builtin_sub_overflow(data, c->lowest, &start) ||
+                           __builtin_add_overflow(start, span, &start) || start < 0 ||
+                           length > c->src_len - start)) {
+            c->bad = i;
+            c->why = 3;
+            c->bad_value = start;
+            break;
+        }
+        c->starts[i] = start;
+        c->lengths[i] = length;
+        count += b - a;
+        c->offsets[i + 1] = count;
+        total += length;
+    }
+    c->total = total;
+}
+
+static PyObject *ranges_at(PyObject *module, PyObject *args) {
+    Py_buffer starts, lengths, offsets, src, pairs, rows, limits, data, chunks, local;
+    long long lowest;
+    Py_ssize_t item;
+    PyObject *result = NULL;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*y*y*y*y*y*y*Ln", &starts, &lengths, &offsets, &src,
+                          &pairs, &rows, &limits, &data, &chunks, &local, &lowest, &item)) {
+        return NULL;
+    }
+    const Py_ssize_t w = (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t n = local.len / w;
+    const Py_ssize_t num_chunks = pairs.len / w;
+    if (local.len % w != 0 || chunks.len != local.len || starts.len != local.len ||
+        lengths.len != local.len || offsets.len != local.len + w || pairs.len % w != 0 ||
+        rows.len != pairs.len || limits.len != pairs.len || data.len != pairs.len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "ranges_at: starts, lengths, chunks and local must be int64 buffers of n "
+                        "values, offsets of n + 1, pairs, rows, limits and data of one per chunk");
+        goto done;
+    }
+    if (item < 0) {
+        PyErr_Format(PyExc_ValueError, "item must be >= 0, got %zd", item);
+        goto done;
+    }
+    {
+        struct var_call call = {(int64_t *)starts.buf, (int64_t *)lengths.buf,
+                                (int64_t *)offsets.buf, (const char *)src.buf,
+                                (const int64_t *)pairs.buf, (const int64_t *)rows.buf,
+                                (const int64_t *)limits.buf, (const int64_t *)data.buf,
+                                (const int64_t *)chunks.buf, (const int64_t *)local.buf,
+                                n, num_chunks, (int64_t)lowest, (int64_t)src.len, (int64_t)item,
+                                0, 0, -1, 0};
+        int faulted;
+        Py_BEGIN_ALLOW_THREADS
+        faulted = run_guarded(var_step, &call);
+        Py_END_ALLOW_THREADS
+        if (faulted) {
+            set_mapped_fault("ranges_at");
+            goto done;
+        }
+        if (call.bad >= 0 && call.why != 5) {
+            if (call.why == 1) {
+                PyErr_Format(PyExc_IndexError, "record %zd names chunk %lld of %zd", call.bad,
+                             (long long)call.bad_value, num_chunks);
+            } else if (call.why == 2) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "record %zd names chunk %lld, which was never added", call.bad,
+                             (long long)call.bad_value);
+            } else if (call.why == 4) {
+                PyErr_Format(PyExc_IndexError, "record %zd is record %lld of its chunk, beyond it",
+                             call.bad, (long long)call.bad_value);
+            } else {
+                PyErr_Format(PyExc_IndexError,
+                             "record %zd reads byte %lld, outside the %zd-byte source", call.bad,
+                             (long long)call.bad_value, src.len);
+            }
+            goto done;
+        }
+        result = Py_BuildValue("Ln", (long long)call.total, call.bad);
+    }
+done:
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&pairs);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&limits);
+    PyBuffer_Release(&data);
     PyBuffer_Release(&chunks);
     PyBuffer_Release(&local);
     return result;
@@ -986,6 +1190,11 @@ static PyMethodDef methods[] = {
     {"gather_ranges", gather_ranges, METH_VARARGS,
      "gather_ranges(dst, src, starts, lengths) -> int: append src[starts[i]:+lengths[i]] to "
      "dst, in order; every range is checked on the read the copy uses (without the GIL)."},
+    {"ranges_at", ranges_at, METH_VARARGS,
+     "ranges_at(starts, lengths, offsets, src, pairs, rows, limits, data, chunks, local, "
+     "lowest, item) -> (total, bad): the byte ranges of variable-length records from their "
+     "offset pairs, each checked (without the GIL); bad is the first record whose offsets "
+     "lie outside its chunk's limit, or -1."},
     {"split_bytes", split_bytes, METH_VARARGS,
      "split_bytes(data, offsets) -> list[bytes]: data[offsets[i]:offsets[i + 1]] for each i."},
     {"blocks_verified", blocks_verified, METH_VARARGS,

@@ -26,6 +26,21 @@ def hash_blocks(
     out: _Buf, views: Sequence[_Buf], which: _Buf, starts: _Buf, ends: _Buf, /
 ) -> None: ...
 def gather_ranges(dst: _Buf, src: _Buf, starts: _Buf, lengths: _Buf, /) -> int: ...
+def ranges_at(
+    starts: _Buf,
+    lengths: _Buf,
+    offsets: _Buf,
+    src: _Buf,
+    pairs: _Buf,
+    rows: _Buf,
+    limits: _Buf,
+    data: _Buf,
+    chunks: _Buf,
+    local: _Buf,
+    lowest: int,
+    item: int,
+    /,
+) -> tuple[int, int]: ...
 def split_bytes(data: _Buf, offsets: _Buf, /) -> list[bytes]: ...
 def join_into(dst: _Buf, pieces: Sequence[_Buf], /) -> int: ...
 

@@ -17,7 +17,9 @@ Invariants (the memory tricks of the read path live here and only here:
 * ``BufferPool`` hands a buffer out again only when the pool's own reference
   is the last one: any view of a batch a caller (or TensorFlow) keeps pins it.
 * No per-record Python work: a batch of one column is a handful of numpy
-  operations on arrays of one entry per record, and one compiled copy.
+  operations on arrays of one entry per record, and one compiled copy (for
+  variable-length columns, one compiled loop that locates and checks the
+  records, then the copy).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ MappedFault: type[OSError] = (
     _gather.MappedFault if _gather is not None else type("MappedFault", (OSError,), {})
 )
 
+_LOCATE_COMPILED = True  # False: the numpy definition, which tests compare it with
 __all__ = [
     "BufferPool",
     "FixedRows",
@@ -339,11 +342,14 @@ class VarRows:
     """One variable-length column (``var`` or ``bytes``) across chunks, gathered by range copies.
 
     ``add`` each chunk's view once before gathering its records. A gather
-    reads each record's two offsets (one 16-byte row copy per record), checks
-    them against the chunk's sizes, then copies the selected byte ranges into
-    one pooled buffer (one compiled call) and builds the batch's offsets with
-    ``cumsum``. Strings take one more step: the records' string offsets, then
-    the strings' bytes. Safe to gather from several threads while another
+    reads each record's two offsets, checks them against the chunk's sizes
+    and sums the batch's offsets (one compiled loop, ``ranges_at``), then
+    copies the selected byte ranges into one pooled buffer (one compiled
+    call). Strings take one more step: the records' string offsets, then the
+    strings' bytes; with one string per record its record offsets are known
+    and only its string offsets are read, in that same loop. Other layouts
+    (several strings per record, shapes the schema fixes) and builds without
+    the compiled module take the numpy definition. Safe to gather from several threads while another
     adds chunks.
 
     Args:
@@ -378,6 +384,7 @@ class VarRows:
         self._data_at = np.zeros(num_chunks, dtype=np.int64)  # data region's offset in its chunk
         self._items = np.zeros(num_chunks, dtype=np.int64)  # values (var) / strings (bytes)
         self._nbytes = np.zeros(num_chunks, dtype=np.int64)  # data bytes
+        self._records = np.zeros(num_chunks, dtype=np.int64)  # records (offset pairs)
         self._added = np.zeros(num_chunks, dtype=bool)
         self._where: dict[int, str] = {}
         self._arrays: list[np.ndarray] = []
@@ -411,6 +418,7 @@ class VarRows:
                 self._items[chunk] = len(col.boffsets) - 1
             else:
                 self._items[chunk] = col.data.size
+            self._records[chunk] = len(col.offsets) - 1
             self._data[chunk] = col.address
             self._data_at[chunk] = col.data_at
             self._nbytes[chunk] = col.data.nbytes
@@ -554,6 +562,11 @@ class VarRows:
         """
         n = len(local)
         span = self._current_span()
+        if _gather is not None and _LOCATE_COMPILED and n and span is not None:
+            if self._strings and self._per_record == 1:
+                return self._gather_scalar_strings(span, chunks, local, in_place)
+            if not self._strings and self._per_record is None:
+                return self._gather_values(span, chunks, local)
         if n and not self._added[chunks].all():
             raise RuntimeError("VarRows.gather: a chunk of the batch was never added")
         if n == 0 or span is None:
@@ -577,6 +590,87 @@ class VarRows:
             raise CorruptCacheError(
                 f"{self._where.get(int(chunks[0]), 'chunk')}: {err}; the cache is corrupted"
             ) from err
+
+    def _located(
+        self,
+        span: tuple[np.ndarray, int],
+        chunks: IntArray,
+        local: IntArray,
+        strings: bool,
+    ) -> tuple[IntArray, IntArray, IntArray, int]:
+        """Each record's byte range and the running count of its values, in one compiled loop.
+
+        ``strings``: one string per record, its two string offsets read and
+        checked against the chunk's data bytes; otherwise the record's two
+        value offsets, checked against the chunk's values. Returns (starts,
+        lengths, offsets, total bytes).
+        """
+        flat, low = span
+        n = len(local)
+        starts, lengths = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        offsets = np.empty(n + 1, dtype=np.int64)
+        chunks = np.ascontiguousarray(chunks, dtype=np.int64)
+        local = np.ascontiguousarray(local, dtype=np.int64)
+        if strings:
+            pairs, rows, limits, item = self._boffsets, self._items, self._nbytes, 1
+        else:
+            pairs, rows, limits, item = self._offsets, self._records, self._items, self._item
+        try:
+            total, bad = _gather.ranges_at(
+                starts,
+                lengths,
+                offsets,
+                flat,
+                pairs,
+                rows,
+                limits,
+                self._data,
+                chunks,
+                local,
+                low,
+                item,
+            )
+        except IndexError as err:  # a range outside the span: offsets changed under us
+            where = self._where.get(int(chunks[0]), "chunk")
+            raise CorruptCacheError(f"{where}: {err}; the cache is corrupted") from err
+        if bad >= 0:
+            what = "string offsets" if strings else "record offsets"
+            raise self._corrupt(chunks[bad : bad + 1], np.ones(1, bool), f"{what} out of bounds")
+        return starts, lengths, offsets, total
+
+    def _gather_values(
+        self, span: tuple[np.ndarray, int], chunks: IntArray, local: IntArray
+    ) -> ColumnBatch:
+        """``gather`` of a column of values whose record offsets are stored (ragged, tensors)."""
+        flat, low = span
+        starts, lengths, offsets, total = self._located(span, chunks, local, strings=False)
+        counts = np.diff(offsets) if self._derived is not None else offsets  # else unread
+        shapes = self._record_shapes(flat, low, chunks, local, counts)
+        data = self._pool.take(total)
+        copy_ranges(data, flat, starts, lengths)
+        return ColumnBatch(self.spec, data.view(self.spec.np_dtype), shapes, offsets)
+
+    def _gather_scalar_strings(
+        self,
+        span: tuple[np.ndarray, int],
+        chunks: IntArray,
+        local: IntArray,
+        in_place: tuple[int, int] | None,
+    ) -> ColumnBatch:
+        """``gather`` of one string per record: each record's string offsets, read in one loop."""
+        flat, low = span
+        n = len(local)
+        starts, lengths, boffsets, total = self._located(span, chunks, local, strings=True)
+        shapes = self._record_shapes(flat, low, chunks, local, boffsets)
+        offsets = np.arange(n + 1, dtype=np.int64)
+        aligned = self._aligned_span(in_place) if in_place is not None else None
+        if aligned is not None:
+            shift = low - int(aligned.__array_interface__["data"][0])
+            starts[lengths > 0] += shift
+            return ColumnBatch(self.spec, aligned, shapes, offsets, ranges=(starts, lengths))
+        data = self._pool.take(total)
+        copy_ranges(data, flat, starts, lengths)
+        return ColumnBatch(self.spec, data, shapes, offsets, boffsets)
 
     def _gather_strings(
         self,
