@@ -150,15 +150,28 @@ def test_disk_cache_is_checked_against_build_checksums(endpoint: str, tmp_path: 
 # A process ends while a to_tf_dataset iterator over S3 waits for an endpoint that has
 # stopped answering: the read-ahead is inside a ranged read that would give up only after
 # read_timeout x max_attempts. The proxy runs in the child, in front of the test's moto.
+# "work_queue": the stream claims slices of a work queue, and only the queue's requests
+# (listings, claims, done markers, leases) stall: the generator runs on until it needs
+# one, on the thread tf.data runs it on.
 STALLED_EXIT = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from tests.backends.fault_proxy import FaultProxy
 import yogastore as y
-proxy = FaultProxy(sys.argv[2]).__enter__()
-store = y.Store(f"s3://{sys.argv[3]}/c", endpoint_url=proxy.url, cache_bytes=0,
+bucket, kind = sys.argv[3], sys.argv[4]
+if kind == "stream":
+    proxy = FaultProxy(sys.argv[2]).__enter__()
+else:
+    proxy = FaultProxy(sys.argv[2], target=rf"^/{bucket}/?$|/\.queues/",
+                       stall_methods=("GET", "PUT", "DELETE")).__enter__()
+store = y.Store(f"s3://{bucket}/c", endpoint_url=proxy.url, cache_bytes=0,
                 lock_settle=0.0, read_timeout=90, max_attempts=2)
-stream = store.open("ds", "1").stream(0, 1, shuffle=y.Shuffle.GLOBAL, seed=1)
+ref = store.open("ds", "1")
+if kind == "stream":
+    stream = ref.stream(0, 1, shuffle=y.Shuffle.GLOBAL, seed=1)
+else:
+    queue = ref.work_queue(f"exit-{bucket}", num_slices=40, seed=1, lease_seconds=3)
+    stream = queue.stream("w0")
 it = iter(stream.to_tf_dataset(8))
 batch = next(it)
 proxy.stall.set()
@@ -168,17 +181,19 @@ print("stalled", proxy.counts["stall"], flush=True)
 
 
 @pytest.mark.multiprocess
-def test_exit_does_not_wait_for_a_stalled_endpoint(endpoint: str) -> None:
+@pytest.mark.parametrize("kind", ["stream", "work_queue"], ids=["stream", "work_queue"])
+def test_exit_does_not_wait_for_a_stalled_endpoint(endpoint: str, kind: str) -> None:
     import os
     import subprocess
     import sys
 
     root = str(Path(__file__).resolve().parent.parent)
     bucket = os.environ["YOGASTORE_TEST_BUCKET"]
-    cmd = [sys.executable, "-c", STALLED_EXIT, root, endpoint, bucket]
+    cmd = [sys.executable, "-c", STALLED_EXIT, root, endpoint, bucket, kind]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    # Without the exit handling it took at least read_timeout (90 s) after "stalled".
+    # Without the exit handling it took at least read_timeout (90 s) after "stalled"
+    # (a work queue's requests on tf.data's thread: it never ended, killed after 10 min).
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=75, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     words = proc.stdout.split()
-    assert words[0] == "stalled" and int(words[1]) >= 1, proc.stdout  # a read was stalled
+    assert words[0] == "stalled" and int(words[1]) >= 1, proc.stdout  # a request was stalled

@@ -19,6 +19,7 @@ import yogastore as y
 from tests.backends.s3_support import shared_moto_bucket
 from tests.queue_support import build, queue_worker, read_ids
 from yogastore.queue.work_queue import lockstep
+from yogastore.read import waits
 
 CTX = multiprocessing.get_context("spawn")
 
@@ -152,6 +153,42 @@ def test_stream_without_wait_ends_while_another_holds_a_slice(ref: y.DatasetRef)
     rest = ids_of(queue.stream("sync", wait=False))  # would wait 30 s for slice 0 otherwise
     assert sorted(rest) == list(range(250, 1000))
     assert queue.status().claimed == 1
+    assert len([i for b in it for i in b["id"]]) == 240
+    assert queue.status().finished
+
+
+def test_a_worker_waiting_for_a_slice_stops_when_the_process_exits(
+    ref: y.DatasetRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # to_tf_dataset's exit handler calls waits.end_waits: a generator waiting for another
+    # worker's slice must then stop, or tf.data's teardown waits for it. (end_waits would
+    # end every wait of this test process: the count it raises is raised for this test.)
+    queue = ref.work_queue("j", num_slices=4, lease_seconds=30, shuffle=False)
+    holder = queue.stream("holder", prefetch=0)
+    it = holder.batches(10)
+    next(it)  # holds slice 0: [0, 250)
+    waiter = queue.stream("waiter", prefetch=0)
+    got: list[int] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            got.extend(ids_of(waiter))
+        except BaseException as err:
+            errors.append(err)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while waiter.claims.claims < 3 and time.monotonic() < deadline:  # slices 1-3 read
+        time.sleep(0.01)
+    time.sleep(0.3)  # now waiting for slice 0 (for 30 s, until its lease expired)
+    monkeypatch.setattr(waits, "_generation", waits.current() + 1)
+    t.join(5)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], waits.ProcessExiting), errors
+    assert queue.status().claimed == 1  # slice 0, still the holder's
+    monkeypatch.undo()  # (the holder's waits would end too)
     assert len([i for b in it for i in b["id"]]) == 240
     assert queue.status().finished
 

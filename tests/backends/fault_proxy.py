@@ -10,8 +10,9 @@ whose path matches ``target`` get faults with the configured probabilities:
 * ``error``: ``503 SlowDown``;
 * ``reset``: the connection closed without a response.
 
-Setting ``stall`` makes every matching GET wait, unanswered, until the proxy closes (an
-endpoint that accepts requests and never answers them).
+Setting ``stall`` makes every matching GET (or request of ``stall_methods``) wait,
+unanswered, until the proxy closes (an endpoint that accepts requests and never answers
+them).
 
 ``counts`` records how many faults of each kind were injected. Faults are drawn
 from a seeded generator, so a run is repeatable up to thread interleaving.
@@ -45,6 +46,7 @@ class FaultProxy:
         seed: seed of the fault generator.
         first: faults given, in order, to the first matching GETs before any are drawn,
             so a test can rely on them happening whatever the number of requests.
+        stall_methods: the HTTP methods of the matching requests that ``stall`` holds.
         batch_delete: ``False`` answers ``DeleteObjects`` with ``501 NotImplemented``,
             as some S3-compatible stores do.
     """
@@ -57,12 +59,14 @@ class FaultProxy:
         seed: int = 0,
         batch_delete: bool = True,
         first: tuple[str, ...] = (),
+        stall_methods: tuple[str, ...] = ("GET",),
     ) -> None:
         unknown = sorted(set(first) - set(FAULTS))
         if unknown:
             raise ValueError(f"unknown faults in first: {unknown}")
         self._first = list(first)
         self.batch_delete = batch_delete
+        self.stall_methods = frozenset(stall_methods)
         parsed = urllib.parse.urlsplit(upstream)
         self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rates = dict(rates or {})
@@ -141,7 +145,11 @@ class FaultProxy:
             self._error(handler, 501, "NotImplemented")
             return
         path = urllib.parse.urlsplit(handler.path).path
-        if self.stall.is_set() and handler.command == "GET" and self.target.search(path):
+        if (
+            self.stall.is_set()
+            and handler.command in self.stall_methods
+            and self.target.search(path)
+        ):
             with self._lock:
                 self.counts["stall"] += 1
             self._closing.wait(600)

@@ -5,6 +5,13 @@ claims the next free slice with an exclusive put, renews the claims it holds
 from a background thread (a lease), marks a slice done once its consumer took
 every record of it, and takes over a slice whose lease expired. The key layout
 is described in ``work_queue``.
+
+On an object store, the requests a stream's reading thread makes (claims, done
+markers, listings) run on a ``yogastore.read.waits.DaemonPool`` worker, and the
+reading thread waits for them with ``waits.result``: at exit (``end_waits``) that
+wait ends, where a request to an endpoint that stopped answering would hold the
+thread, and with it the process's exit, for ``read_timeout`` x ``max_attempts``.
+The claims note ``waits.current()`` when made and when an iteration starts.
 """
 
 from __future__ import annotations
@@ -12,15 +19,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from storage_backends.errors import KeyExistsError
 from yogastore.queue.files import close_if_sole_user
 from yogastore.queue.state import prefix
+from yogastore.read import waits
 from yogastore.read.assignment import Assignment, Span
 from yogastore.read.order import Interval, intervals_length
 
@@ -30,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["QueueAssignment"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +75,25 @@ class QueueAssignment(Assignment):
         self.claims = 0  # successful claims (statistics)
         self.takeovers = 0
         self.lost = 0  # held slices taken over by another worker during a stall
+        self._born = waits.current()  # waits end if the process exits (yogastore.read.waits)
+        self._pool: waits.DaemonPool | None = None
+        self._pool_pid = 0
+
+    def _waited(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Return ``fn(*args)``; on an object store run on a worker, waited for until exit.
+
+        Raises:
+            ProcessExiting: the process began to exit (``yogastore.read.waits``).
+        """
+        if not self.queue.backend.remote:
+            return fn(*args)  # local files: nothing waits on a network
+        if waits.current() != self._born:  # no new claim left to expire unread
+            raise waits.ProcessExiting("the process is exiting: a work queue request was ended")
+        pool = self._pool
+        if pool is None or self._pool_pid != os.getpid():  # a fork child has no workers
+            pool = self._pool = waits.DaemonPool(1, "yogastore-queue", self._born)
+            self._pool_pid = os.getpid()
+        return waits.result(pool.submit(fn, *args), self._born)
 
     # Claims ------------------------------------------------------------------------
 
@@ -151,7 +181,11 @@ class QueueAssignment(Assignment):
             Whether a slice was claimed (the stream reads on), or every slice is done.
         """
         while True:
-            piece, waiting = self._scan()
+            if waits.current() != self._born:  # a local store's wait ends at exit too
+                raise waits.ProcessExiting(
+                    "the process is exiting: a work queue worker waiting for a slice was ended"
+                )
+            piece, waiting = self._waited(self._scan)
             if piece is not None:
                 self._stash = piece
                 return True
@@ -164,7 +198,7 @@ class QueueAssignment(Assignment):
             held = list(self._held)
             self._held.clear()
         for piece in held:
-            self._finish(piece)
+            self._waited(self._finish, piece)
 
     # Leases ------------------------------------------------------------------------
 
@@ -247,6 +281,7 @@ class QueueAssignment(Assignment):
 
     def spans(self) -> Iterator[Span]:
         if self._renewer is None or not self._renewer.is_alive():
+            self._born = waits.current()  # an iteration starts (maybe in an exit handler)
             self._stop.clear()
             self._progress = time.monotonic()
             self._renewer = threading.Thread(
@@ -256,7 +291,7 @@ class QueueAssignment(Assignment):
         while True:
             piece, self._stash = self._stash, None
             if piece is None:
-                piece, _waiting = self._scan()
+                piece, _waiting = self._waited(self._scan)
             if piece is None:
                 return  # nothing claimable now; see wait_for_work
             with self._mutex:
@@ -269,7 +304,7 @@ class QueueAssignment(Assignment):
         if count > 0:
             self._progress = time.monotonic()
             if self._paused:
-                self._resume()
+                self._waited(self._resume)
         while count > 0:
             with self._mutex:
                 if not self._held:
@@ -282,14 +317,21 @@ class QueueAssignment(Assignment):
                 if finished:
                     self._held.popleft()
             if finished:
-                self._finish(piece)
+                self._waited(self._finish, piece)
 
     def close(self) -> None:
-        """Stop renewing leases (and wait for the renewing thread to stop writing)."""
+        """Stop renewing leases (and wait for the renewing thread to stop writing).
+
+        Once the process exits (``yogastore.read.waits``), without waiting: the renewing
+        thread may be inside a request to an endpoint that stopped answering.
+        """
         self._stop.set()
         renewer = self._renewer
         if renewer is not None and renewer is not threading.current_thread():
-            renewer.join(self.queue.lease_seconds)
+            waits.join(renewer, self._born, self.queue.lease_seconds)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)  # its calls were all waited for, or the process exits
 
     def consumed(self, count: int) -> dict[int, list[Interval]]:
         """Return the positions per epoch of the first ``count`` records handed out."""

@@ -21,11 +21,12 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["DaemonPool", "ProcessExiting", "current", "end_waits", "result"]
+__all__ = ["DaemonPool", "ProcessExiting", "current", "end_waits", "join", "result"]
 
 _T = TypeVar("_T")
 _POLL = 0.05
@@ -63,6 +64,23 @@ def result(future: concurrent.futures.Future[_T], born: int) -> _T:
             raise ProcessExiting(
                 "the process is exiting: a read still waiting for its data was ended"
             )
+
+
+def join(thread: threading.Thread, born: int, timeout: float | None = None) -> bool:
+    """Wait for ``thread`` to end (at most ``timeout`` seconds), but not once ``current() != born``.
+
+    Returns:
+        Whether the thread ended.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while thread.is_alive():
+        if current() != born:
+            return False
+        step = _POLL if deadline is None else min(_POLL, deadline - time.monotonic())
+        if step <= 0:
+            return False
+        thread.join(step)
+    return True
 
 
 class _Shared:
@@ -159,7 +177,5 @@ class DaemonPool:
         if not wait:
             return
         for thread in threads:
-            while thread.is_alive():
-                thread.join(_POLL)
-                if current() != self._born:
-                    return
+            if not join(thread, self._born):
+                return
