@@ -77,7 +77,12 @@ def _batched_ragged(
     splits: list[np.ndarray] = []
     dtype = np.dtype(comp.row_splits_dtype)
     if comp.ragged_rank == 0:
-        splits.append(np.concatenate([[0], np.cumsum(lead)]).astype(dtype))
+        offsets = flat.offsets
+        if flat.spec.ndim == 1 and offsets is not None and b and offsets[0] == 0:
+            # One value per row: the values' offsets are the row splits already.
+            splits.append(offsets.astype(dtype, copy=False))
+        else:
+            splits.append(np.concatenate([[0], np.cumsum(lead)]).astype(dtype))
         return RaggedValue(values, tuple(splits))
     rows = np.diff(group[1].offsets) - 1 if group[1].offsets is not None else lead
     splits.append(np.concatenate([[0], np.cumsum(rows)]).astype(dtype))
