@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import ClassVar, TypeVar
 
-from storage_backends.errors import InvalidArgumentError
+from storage_backends.errors import InvalidArgumentError, LockTimeoutError
 
 __all__ = ["Backend", "Buffer", "check_capabilities", "check_key"]
 
@@ -210,6 +210,16 @@ class Backend(abc.ABC):
         """
         return self._lock(check_key(name), timeout)
 
+    def lock_held(self, name: str) -> bool:
+        """Return whether lock ``name`` is held right now (by anyone); never waits.
+
+        For read-only questions (is a build running?): on an object store it
+        only looks, so it needs no write access and never probes the store's
+        conditional writes, as taking a lock there does. Override
+        ``_lock_held`` where the default below does not fit.
+        """
+        return self._lock_held(check_key(name))
+
     def delete_lock(self, name: str) -> None:
         """Remove what lock ``name`` leaves in the store; call while holding it.
 
@@ -326,6 +336,15 @@ class Backend(abc.ABC):
     def _delete_prefix(self, prefix: str) -> None:
         for key in self._list(prefix):
             self._delete(key)
+
+    def _lock_held(self, name: str) -> bool:
+        # Take the lock for an instant; a backend whose locks are objects it can look
+        # at (S3) overrides this to look instead.
+        try:
+            with self._lock(name, 0.0):
+                return False
+        except LockTimeoutError:
+            return True
 
     def _delete_lock(self, name: str) -> None:  # noqa: B027 - optional hook
         pass

@@ -283,6 +283,19 @@ class BackendContract:
         finally:
             other.close()
 
+    def test_lock_held_looks_without_taking(self, backend: Backend) -> None:
+        other = self.reopen(backend)
+        try:
+            assert not other.lock_held("locks/looked")
+            with backend.lock("locks/looked", timeout=10):
+                assert other.lock_held("locks/looked")
+                assert not other.lock_held("locks/other")
+            assert not other.lock_held("locks/looked")
+            with other.lock("locks/looked", timeout=10):  # looking left it free
+                pass
+        finally:
+            other.close()
+
     def test_lost_lock_fences_writes(self, backend: Backend) -> None:
         with backend.lock("ds/1", timeout=10):
             backend.put("ds/1/c-a-000000", b"chunk")

@@ -8,6 +8,8 @@ yogastore.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "AccessDeniedError",
     "BackendUnavailableError",
@@ -27,6 +29,7 @@ __all__ = [
     "StorageError",
     "UnsupportedElementError",
     "YogaStoreError",
+    "coordination_refused",
 ]
 
 
@@ -103,8 +106,27 @@ class RankMismatchError(YogaStoreError, RuntimeError):
 
 
 class CoordinationError(StorageError):
-    """The object store does not enforce the conditional writes that coordinate builders.
+    """The object store does not enforce the conditional writes that coordinate writers.
 
-    Raised before a build on such a store, unless the store was opened with
-    ``coordination="single-writer"`` (safe only with one builder at a time).
+    Raised before a change that its locks keep safe (a build, ``delete``,
+    ``gc``, a copy into it) on such a store, unless the store was opened with
+    ``coordination="single-writer"`` (safe only with one writer at a time).
+    Reading never raises it.
     """
+
+
+def coordination_refused(operation: str, where: str, problem: str) -> CoordinationError:
+    """Return the error refusing ``operation`` in ``where``, whose conditional writes fail.
+
+    Args:
+        operation: what was asked, as a verb phrase (``"build"``, ``"run gc"``).
+        where: the store, for the message.
+        problem: what the probe of the store's conditional writes found.
+    """
+    return CoordinationError(
+        errno.ENOTSUP,
+        f"refusing to {operation} in {where}: the store does not enforce conditional "
+        f"writes ({problem}), so its locks cannot keep concurrent writers apart; if no "
+        "other process builds, deletes or runs gc there meanwhile, open the store with "
+        "coordination='single-writer' (command line: --coordination single-writer)",
+    )

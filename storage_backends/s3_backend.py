@@ -9,7 +9,9 @@ Failure handling:
 
 * Throttling (``SlowDown``) and 5xx answers are retried by botocore with
   exponential backoff (``max_attempts``); a failure surfaces only after the
-  last attempt, as ``StorageError``.
+  last attempt, as ``StorageError``. Each request gets its own attempts:
+  botocore's retry quota, shared by all requests of a client, is not used
+  (``storage_backends.s3_retries``).
 * A missing bucket or an unreachable endpoint raise ``BackendUnavailableError``
   naming bucket and prefix; denied access and missing or bad credentials raise
   its subclass ``AccessDeniedError`` (also a ``PermissionError``); a missing
@@ -66,9 +68,10 @@ from storage_backends.s3_errors import (
     retried,
     translate,
 )
-from storage_backends.s3_lock import S3Lock
+from storage_backends.s3_lock import S3Lock, lock_held
 from storage_backends.s3_options import MIN_PART, Coordination, S3Options
 from storage_backends.s3_probe import check_conditional_writes, conditional_writes_verdict
+from storage_backends.s3_retries import use_per_request_retries
 
 try:
     import boto3
@@ -208,6 +211,7 @@ class S3Backend(Backend):
                     region_name=self.options.region,
                     config=config,
                 )
+                use_per_request_retries(self._client, self.options.max_attempts)
             return self._client
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -517,6 +521,10 @@ class S3Backend(Backend):
         """Probe (once per endpoint and bucket) whether the store enforces ``If-None-Match``."""
         verdict = conditional_writes_verdict(self)
         return None if verdict is None else f"{self.endpoint_url or 'AWS S3'}: {verdict}"
+
+    def _lock_held(self, name: str) -> bool:
+        # One look at the lock object: nothing written, so no probe is needed.
+        return lock_held(self, name)
 
     def _lock(self, name: str, timeout: float | None) -> contextlib.AbstractContextManager[None]:
         # Locks guard builds (and copies, deletes): first make sure the store

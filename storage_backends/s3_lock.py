@@ -50,7 +50,7 @@ from storage_backends.errors import (
 )
 from storage_backends.s3_errors import ConflictError, retried
 
-__all__ = ["S3Lock"]
+__all__ = ["S3Lock", "lock_held"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,25 @@ def _lease_of(head: ObjectHead, default: float) -> float:
         return float(head.metadata.get("lease", default))
     except (TypeError, ValueError):
         return default
+
+
+def _lapsed(age: float | None, lease: float) -> bool:
+    """Whether a lock object this old (server clock) belongs to a holder that stopped renewing."""
+    return age is not None and age > 2 * lease + 2
+
+
+def lock_held(store: ConditionalStore, name: str) -> bool:
+    """Return whether lock ``name`` is held, from one look at its object; nothing is written.
+
+    Held: the object is there and not so old that a waiter would take it
+    over at once (``S3Lock`` with ``timeout=0`` times out on exactly these);
+    an object that does not state its lease counts as held. The look needs
+    neither write access nor a store that enforces conditional writes.
+    """
+    head = store.head(name + _SUFFIX)
+    if head is None:
+        return False
+    return "lease" not in head.metadata or not _lapsed(head.age, _lease_of(head, 0.0))
 
 
 class S3Lock:
@@ -229,7 +248,7 @@ class S3Lock:
                 age = head.age
                 if seen is None or seen[0] != etag:
                     seen = (etag, now)
-                if now - seen[1] > lease or (age is not None and age > 2 * lease + 2):
+                if now - seen[1] > lease or _lapsed(age, lease):
                     if self._take_over(etag, lease):
                         break
                     seen = None

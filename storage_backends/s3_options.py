@@ -42,7 +42,8 @@ class S3Options:
             reader keeps in flight unless ``yogastore.ReadOptions`` says.
         upload_workers: chunk uploads in flight while building.
         max_attempts: attempts per request, including the first (botocore
-            standard retry mode: throttling and 5xx are retried with backoff).
+            standard retry mode: throttling, 5xx and connection errors are
+            retried with backoff), whatever other requests do.
         connect_timeout: seconds to wait for a connection.
         read_timeout: seconds to wait for data on a connection.
         multipart_threshold: objects at least this large are uploaded in parts.

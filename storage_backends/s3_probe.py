@@ -9,21 +9,21 @@ build, and one may commit a manifest naming chunks another swept away.
 The probe writes a fresh key under the store's prefix with ``If-None-Match:
 *`` twice (the second must fail with 412) and once with a made-up ``If-Match``
 (must fail with 412), then deletes it. The verdict is kept for the process's
-life per (endpoint, bucket). Reading never needs it. The probe sees the
+life per (endpoint, bucket). Reading never needs it: a read-only look at a
+lock (``Backend.lock_held``) does not probe. The probe sees the
 store only through ``ConditionalStore``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import threading
 import uuid
 from typing import Protocol
 
 from storage_backends.conditional import ConditionalStore
-from storage_backends.errors import CoordinationError, KeyExistsError, StorageError
+from storage_backends.errors import KeyExistsError, StorageError, coordination_refused
 
 __all__ = ["check_conditional_writes", "conditional_writes_verdict", "probe_conditional_writes"]
 
@@ -89,8 +89,12 @@ def conditional_writes_verdict(backend: ProbedStore) -> str | None:
     return verdict
 
 
-def check_conditional_writes(backend: ProbedStore) -> None:
+def check_conditional_writes(backend: ProbedStore, operation: str = "build") -> None:
     """Probe once per endpoint and bucket; raise if conditional writes are not enforced.
+
+    Args:
+        backend: the store.
+        operation: what is refused, for the message (a verb phrase).
 
     Raises:
         CoordinationError: the store ignores ``If-None-Match`` or ``If-Match``;
@@ -99,11 +103,4 @@ def check_conditional_writes(backend: ProbedStore) -> None:
     """
     verdict = conditional_writes_verdict(backend)
     if verdict is not None:
-        raise CoordinationError(
-            errno.ENOTSUP,
-            f"refusing to build in {backend.where}: the store at "
-            f"{backend.endpoint_url or 'AWS S3'} does not enforce conditional writes ({verdict}), "
-            "so concurrent builders cannot be kept apart; if only one process ever builds "
-            "here, open the store with coordination='single-writer' (unsafe with concurrent "
-            "builders)",
-        )
+        raise coordination_refused(operation, backend.where, verdict)

@@ -62,3 +62,16 @@ def test_verify_checks_what_reads_check_first_the_index_checksum(
     assert "chunk 3 " in err and "index checksum" in err
     with pytest.raises(yogastore.CorruptCacheError, match="index"):
         list(yogastore.Store(tmp_path).open("d", "1").stream(shuffle=False))
+
+
+def test_coordination_option_is_for_object_stores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = yogastore.Store(tmp_path, chunk_bytes=256)
+    store.cache("d", "1", lambda: (np.full(8, i, np.int16) for i in range(10)), spec=SPEC)
+    for argv in (["gc"], ["delete", "d", "1"]):
+        assert main(["--store", str(tmp_path), *argv, "--coordination", "single-writer"]) == 1
+        assert "--coordination is an option of object stores" in capsys.readouterr().err
+    assert main(["--store", str(tmp_path), "info", "d", "1", "--coordination", "probe"]) == 1
+    assert "unrecognized arguments: --coordination" in capsys.readouterr().err
+    assert [(i.dataset_id, i.version) for i in store.list()] == [("d", "1")]

@@ -142,3 +142,77 @@ def test_delete_objects_501_falls_back_to_single_deletes(
         assert proxy.counts["not_implemented"] == 1
         assert store.backend.list("gone/") == []
         assert store.backend.list("kept/") == ["kept/k"]
+
+
+def _refused(operation: str, message: str) -> bool:
+    return (
+        f"refusing to {operation} in " in message
+        and "If-None-Match" in message
+        and "coordination='single-writer'" in message
+        and "--coordination single-writer" in message
+        and "build" not in message.split(":")[0]
+    )
+
+
+def test_s3rver_reads_need_no_probe_and_changes_say_how_to_proceed(
+    s3rver_bucket: tuple[str, str], tmp_path: Path
+) -> None:
+    endpoint, bucket = s3rver_bucket
+    writer = _store(endpoint, bucket, tmp_path, coordination="single-writer")
+    writer.cache("ds", "1", lambda: records(N), spec=SPEC, progress=y.NullProgress())
+    writer.cache("ds", "2", lambda: records(N), spec=SPEC, progress=y.NullProgress())
+    writer.backend.put("dead/1/c-deadbeef0000-000000", b"a dead build's chunk")
+    store = _store(endpoint, bucket, tmp_path / "r")
+    # Reads, the look at the build lock included, work on the default store without a probe.
+    assert not store.building("ds", "1") and not store.building("nothing", "1")
+    with writer.backend.lock("ds/1", timeout=10):  # a single-writer build in progress
+        assert store.building("ds", "1") and not store.building("ds", "2")
+    assert not store.building("ds", "1")
+    assert [(i.dataset_id, i.version) for i in store.list()] == [("ds", "1"), ("ds", "2")]
+    assert not s3_probe._VERDICTS
+    # Changes that rest on the locks are refused, naming what was asked and the way out.
+    with pytest.raises(y.CoordinationError) as gc_info:
+        store.gc()
+    assert _refused("run gc", str(gc_info.value)), gc_info.value
+    with pytest.raises(y.CoordinationError) as delete_info:
+        store.delete("ds", "1")
+    assert _refused("delete ds/1", str(delete_info.value)), delete_info.value
+    assert endpoint in str(delete_info.value)
+    assert store.backend.list("dead/1/") and store.open("ds", "1").num_records == N
+    # With the single-writer opt-in both proceed.
+    assert [(e.dataset_id, e.version) for e in writer.gc()] == [("dead", "1")]
+    writer.delete("ds", "1")
+    assert [(i.dataset_id, i.version) for i in store.list()] == [("ds", "2")]
+    assert [k for k in writer.backend.list() if not k.startswith((".", "ds/2/"))] == []
+
+
+def test_s3rver_cli_info_gc_delete(
+    s3rver_bucket: tuple[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from yogastore.cli import main
+
+    endpoint, bucket = s3rver_bucket
+    writer = _store(endpoint, bucket, tmp_path, coordination="single-writer")
+    writer.cache("ds", "1", lambda: records(N), spec=SPEC, progress=y.NullProgress())
+    writer.backend.put("dead/1/c-deadbeef0000-000000", b"a dead build's chunk")
+    monkeypatch.setenv("YOGASTORE_S3_ENDPOINT_URL", endpoint)
+    url = f"s3://{bucket}/c"
+    capsys.readouterr()
+
+    assert main(["--store", url, "info", "ds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f'"num_records": {N}' in out and '"build_in_progress": false' in out
+    for argv, operation in ((["gc"], "run gc"), (["delete", "ds", "1"], "delete ds/1")):
+        assert main(["--store", url, *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and _refused(operation, err), err
+    assert main(["--store", url, "gc", "--coordination", "single-writer"]) == 0
+    assert "removed uncommitted build of dead/1" in capsys.readouterr().out
+    assert main(["--store", url, "delete", "--coordination", "single-writer", "ds", "1"]) == 0
+    assert "deleted ds/1" in capsys.readouterr().out
+    assert main(["--store", url, "info", "ds", "1"]) == 1
+    assert "no dataset 'ds'" in capsys.readouterr().err
+    assert [k for k in writer.backend.list() if not k.startswith(".")] == []

@@ -3,7 +3,9 @@
 Also ``python -m yogastore``. Every failure, a usage mistake included, is one
 ``error:`` line on stderr and exit code 1; ``verify`` exits 1 when any chunk
 is damaged, after naming each one. An id or version starting with ``-`` goes
-after ``--`` (``yogastore info -- -d 1``).
+after ``--`` (``yogastore info -- -d 1``). ``delete`` and ``gc`` take
+``--coordination single-writer`` for an object store that ignores conditional
+writes (the ``coordination`` option of ``Store``); the other commands only read.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import NoReturn
 from storage_backends.errors import (
     CorruptCacheError,
     DatasetNotFoundError,
+    InvalidArgumentError,
     KeyNotFoundError,
     YogaStoreError,
 )
+from storage_backends.s3_options import Coordination
 from yogastore.format import ChunkView
 from yogastore.queue.cli import add_queue_parser, run_queue
 from yogastore.read.reader import verify_chunk
@@ -32,7 +36,14 @@ __all__ = ["main"]
 _EPILOG = "An id or version that starts with '-' goes after '--': yogastore info -- -d 1"
 
 
-_OPTIONS = ("--", "-h", "--help", "--store")
+_OPTIONS = ("--", "-h", "--help", "--store", "--coordination")
+#: Commands that change a store under its locks: the ones ``--coordination`` is for.
+_LOCKING = ("delete", "gc")
+_COORDINATION_HELP = (
+    "how writers on an object store are kept apart: 'probe' (default) refuses a store "
+    "that ignores conditional writes; 'single-writer' proceeds there, safe only while "
+    "no other process builds, deletes or runs gc in the store"
+)
 
 
 class _Usage(Exception):
@@ -133,8 +144,23 @@ def _info(store: Store, dataset_id: str, version: str) -> int:
     return 0
 
 
+def _open_store(args: argparse.Namespace) -> Store:
+    coordination = getattr(args, "coordination", None)
+    if coordination is None:
+        return Store(args.store)
+    try:
+        return Store(args.store, coordination=coordination)
+    except InvalidArgumentError as err:
+        Store(args.store)  # raises if the URL itself is the problem
+        raise InvalidArgumentError(
+            f"--coordination is an option of object stores (s3://), whose locks rest on "
+            f"conditional writes; {args.store or 'the default store'} locks without them: "
+            f"leave it out ({err})"
+        ) from err
+
+
 def _run(args: argparse.Namespace) -> int:
-    store = Store(args.store)
+    store = _open_store(args)
     root = _local_path(store)
     if args.command in ("list", "du", "gc") and root is not None and not root.exists():
         print(f"no store at {root} (nothing cached there yet)")
@@ -197,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = sub.add_parser(name, help=text, epilog=_EPILOG if with_version else None)
         # Accepted after the command too; the default keeps the one given before.
         cmd.add_argument("--store", default=argparse.SUPPRESS, help=store_help)
+        if name in _LOCKING:
+            choices = [c.value for c in Coordination]
+            cmd.add_argument("--coordination", choices=choices, help=_COORDINATION_HELP)
         if with_version:
             cmd.add_argument("dataset_id")
             cmd.add_argument("version")

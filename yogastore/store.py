@@ -26,6 +26,7 @@ from storage_backends.errors import (
     StorageError,
     UnsupportedElementError,
     YogaStoreError,
+    coordination_refused,
 )
 from yogastore import boundedjson, housekeeping
 from yogastore.build.batches import Batches, items_of_batches
@@ -38,7 +39,7 @@ from yogastore.build.buildcheck import (
     delete_build,
     guarded_items,
 )
-from yogastore.build.parallel import held_rank_locks, intent_ranks
+from yogastore.build.parallel import held_rank_locks, intent_ranks, rank_lock_names
 from yogastore.build.progress import Progress, default_progress
 from yogastore.build.writer import new_build_id, records_from_iterable, write_dataset
 from yogastore.checks import check_int, explain_keyword_only
@@ -426,9 +427,10 @@ class Store:
             or a mapping of its fields); ``cache_dir=`` and ``cache_bytes=``
             given as keywords set those fields too.
         **backend_options: passed to the backend (e.g. ``endpoint_url`` for S3).
-            On S3, ``coordination="single-writer"`` builds on a store that
-            ignores conditional writes (by default such a store is refused
-            before the first build; see ``storage_backends.s3_options.Coordination``).
+            On S3, ``coordination="single-writer"`` builds, deletes and runs
+            ``gc`` on a store that ignores conditional writes (by default such
+            a store is refused before the first of these; reading never is;
+            see ``storage_backends.s3_options.Coordination``).
     """
 
     def __init__(
@@ -929,13 +931,18 @@ class Store:
         """Return whether a build of this version holds its lock right now.
 
         A rank of a parallel build (``cache_parallel``) holding its lock counts
-        too. Takes the locks for an instant when they are free (on an object
-        store that writes and deletes the lock objects); asking about a version
-        that does not exist leaves nothing behind.
+        too. A local store takes the locks for an instant when they are free;
+        an object store only looks at the lock objects (``Backend.lock_held``),
+        so, as any read, this needs no write access and no conditional writes.
+        Asking about a version that does not exist leaves nothing behind.
         """
         validate_name(dataset_id, "dataset id")
         validate_name(version, "version")
         name = f"{dataset_id}/{version}"
+        if self.remote:
+            counts = intent_ranks(self.backend.list(name + "/"), name + "/")
+            names = [name, *rank_lock_names(dataset_id, version, counts)]
+            return any(self.backend.lock_held(lock) for lock in names)
         try:
             with self.backend.lock(name, timeout=0):
                 keys = self.backend.list(name + "/")
@@ -964,6 +971,8 @@ class Store:
             InvalidArgumentError: the place holds keys yogastore did not write
                 (another program's data); nothing is deleted.
             LockTimeoutError: a build kept the lock past ``lock_timeout``.
+            CoordinationError: the store ignores conditional writes and was
+                not opened with ``coordination="single-writer"``.
         """
         from yogastore.queue.work_queue import queue_prefix
 
@@ -971,6 +980,7 @@ class Store:
         validate_name(version, "version")
         prefix = f"{dataset_id}/{version}/"
         name = f"{dataset_id}/{version}"
+        self._check_coordination(f"delete {name}")
         _forget_released(self.backend.url, manifest_key(dataset_id, version))
         with self.backend.lock(name, timeout=self.lock_timeout):
             keys = self.backend.list(prefix)
@@ -1005,8 +1015,28 @@ class Store:
 
         Returns:
             One entry per version something was removed from.
+
+        Raises:
+            CoordinationError: the store ignores conditional writes and was
+                not opened with ``coordination="single-writer"``.
         """
+        self._check_coordination("run gc")
         return housekeeping.collect_garbage(self)
+
+    def _check_coordination(self, operation: str) -> None:
+        """Refuse ``operation``, a change its locks keep safe, where they cannot.
+
+        A store opened with ``coordination="single-writer"`` (a backend that
+        declares ``coordinated = False``) trusts its user instead.
+
+        Raises:
+            CoordinationError: the store ignores conditional writes.
+        """
+        if not self.backend.coordinated:
+            return
+        problem = self.backend.exclusive_puts_problem()
+        if problem is not None:
+            raise coordination_refused(operation, self.url, problem)
 
     def copy(self, dataset_id: str, version: str = "1", *, to: Store) -> DatasetRef:
         """Copy a dataset version to another store, verifying every chunk's checksum."""
@@ -1032,6 +1062,7 @@ class Store:
             to.backend.put_exclusive(key, ref.manifest.to_json())
             return ref.manifest
 
+        to._check_coordination(f"copy {dataset_id}/{version}")
         with to.backend.lock(f"{dataset_id}/{version}", timeout=to.lock_timeout):
             if to.backend.exists(key):
                 return to.open(dataset_id, version)  # another copier finished first

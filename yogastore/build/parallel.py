@@ -86,6 +86,7 @@ __all__ = [
     "intent_ranks",
     "part_key",
     "rank_lock_name",
+    "rank_lock_names",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,17 @@ def rank_lock_name(dataset_id: str, version: str, num_ranks: int, digest: str, r
     return f"{dataset_id}/{version}..n{num_ranks}-{digest}-r{rank}"
 
 
+def rank_lock_names(
+    dataset_id: str, version: str, attempts: Iterable[tuple[int, str]]
+) -> list[str]:
+    """Return the rank lock names of the parallel builds ``attempts`` (``intent_ranks``)."""
+    return [
+        rank_lock_name(dataset_id, version, n, digest, r)
+        for n, digest in sorted(set(attempts))
+        for r in range(n)
+    ]
+
+
 def intent_ranks(keys: Iterable[str], prefix: str) -> list[tuple[int, str]]:
     """Return (rank count, attempt digest) of the parallel builds whose intents are in ``keys``."""
     found = (_INTENT_NAME.fullmatch(key[len(prefix) :]) for key in keys if key.startswith(prefix))
@@ -135,11 +147,7 @@ def held_rank_locks(
     Raises:
         LockTimeoutError: a rank is still running after ``timeout`` seconds.
     """
-    names = [
-        rank_lock_name(dataset_id, version, n, digest, r)
-        for n, digest in sorted(set(attempts))
-        for r in range(n)
-    ]
+    names = rank_lock_names(dataset_id, version, attempts)
     with contextlib.ExitStack() as held:
         for name in names:
             held.enter_context(backend.lock(name, timeout=timeout))
