@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import http.client
-import http.server
 import logging
 import multiprocessing
 import sys
-import threading
 import types
-import urllib.parse
 import uuid
 from typing import Any
 
@@ -28,92 +24,14 @@ import pytest
 from storage_backends import s3_retries
 from storage_backends.errors import BackendUnavailableError
 from storage_backends.s3_backend import S3Backend
+from tests.backends.fault_proxy import FaultProxy
 from tests.backends.s3_support import create_bucket, fake_credentials, moto_endpoint
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 
-_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
 # botocore's retry quota: 500 units, 14 per retry after a connection error.
 _QUOTA_RETRIES = 500 // 14
 _QUOTA_REACHED = "retry quota reached"
-
-
-class DroppingProxy:
-    """Forward HTTP to ``upstream``; close the connection unanswered on early GET attempts.
-
-    The first ``drops`` attempts of every GET (one botocore call, told apart by its
-    ``amz-sdk-invocation-id`` header) get no answer, as from an endpoint that is
-    restarting; later attempts are forwarded. ``attempts`` counts the attempts seen
-    per call.
-    """
-
-    def __init__(self, upstream: str, drops: int) -> None:
-        parsed = urllib.parse.urlsplit(upstream)
-        self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
-        self.drops = drops
-        self.attempts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                proxy._forward(self)
-
-            do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
-
-        class Server(http.server.ThreadingHTTPServer):
-            daemon_threads = True
-            request_queue_size = 256  # many parallel connects
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def __enter__(self) -> DroppingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def _forward(self, handler: http.server.BaseHTTPRequestHandler) -> None:
-        length = int(handler.headers.get("Content-Length") or 0)
-        body = handler.rfile.read(length) if length else None
-        if handler.command == "GET":
-            call = str(handler.headers.get("amz-sdk-invocation-id"))
-            with self._lock:
-                self.attempts[call] += 1
-                seen = self.attempts[call]
-            if seen <= self.drops:
-                handler.close_connection = True
-                return
-        headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP}
-        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
-        try:
-            conn.request(handler.command, handler.path, body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            status, out = resp.status, [(k, v) for k, v in resp.getheaders()]
-        finally:
-            conn.close()
-        handler.send_response(status)
-        for k, v in out:
-            if k.lower() not in _HOP and k.lower() != "content-length":
-                handler.send_header(k, v)
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        if handler.command != "HEAD":
-            handler.wfile.write(data)
 
 
 @pytest.fixture
@@ -149,7 +67,7 @@ def test_parallel_requests_each_get_their_attempts(bucket: str) -> None:
     """
     drops, count = 2, 96
     assert count * drops > 2 * _QUOTA_RETRIES  # far more retries in all than the quota held
-    with DroppingProxy(moto_endpoint(), drops) as proxy:
+    with FaultProxy(moto_endpoint(), target=r"/blob$", drops=drops) as proxy:
         backend = S3Backend(f"s3://{bucket}/p", endpoint_url=proxy.url, max_parallel=32)
         try:
             outcomes = _read_in_parallel(backend, count, 32)
@@ -170,7 +88,7 @@ def test_unanswered_requests_each_tried_max_attempts(bucket: str) -> None:
     """48 reads in flight that never get an answer: each tried exactly max_attempts times."""
     attempts, count = 3, 48
     assert count * (attempts - 1) > 2 * _QUOTA_RETRIES
-    with DroppingProxy(moto_endpoint(), drops=10**9) as proxy:
+    with FaultProxy(moto_endpoint(), target=r"/blob$", drops=10**9) as proxy:
         backend = S3Backend(
             f"s3://{bucket}/p", endpoint_url=proxy.url, max_parallel=count, max_attempts=attempts
         )

@@ -10,6 +10,11 @@ whose path matches ``target`` get faults with the configured probabilities:
 * ``error``: ``503 SlowDown``;
 * ``reset``: the connection closed without a response.
 
+With ``drops`` set, the first ``drops`` attempts of every matching GET (one botocore
+call, told apart by its ``amz-sdk-invocation-id`` header) get no answer, the connection
+closed, as from an endpoint that is restarting; ``attempts`` counts the attempts seen per
+call.
+
 Setting ``stall`` makes every matching GET (or request of ``stall_methods``) wait,
 unanswered, until the proxy closes (an endpoint that accepts requests and never answers
 them).
@@ -49,6 +54,7 @@ class FaultProxy:
         stall_methods: the HTTP methods of the matching requests that ``stall`` holds.
         batch_delete: ``False`` answers ``DeleteObjects`` with ``501 NotImplemented``,
             as some S3-compatible stores do.
+        drops: attempts of every matching GET closed unanswered before one is forwarded.
     """
 
     def __init__(
@@ -60,6 +66,7 @@ class FaultProxy:
         batch_delete: bool = True,
         first: tuple[str, ...] = (),
         stall_methods: tuple[str, ...] = ("GET",),
+        drops: int = 0,
     ) -> None:
         unknown = sorted(set(first) - set(FAULTS))
         if unknown:
@@ -73,6 +80,8 @@ class FaultProxy:
         self.target = re.compile(target)
         self.counts: collections.Counter[str] = collections.Counter()
         self.requests: collections.Counter[str] = collections.Counter()
+        self.drops = drops
+        self.attempts: collections.Counter[str] = collections.Counter()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.stall = threading.Event()
@@ -90,8 +99,11 @@ class FaultProxy:
 
             do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 256  # many parallel connects
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
@@ -145,6 +157,14 @@ class FaultProxy:
             self._error(handler, 501, "NotImplemented")
             return
         path = urllib.parse.urlsplit(handler.path).path
+        if self.drops and handler.command == "GET" and self.target.search(path):
+            call = str(handler.headers.get("amz-sdk-invocation-id"))
+            with self._lock:
+                self.attempts[call] += 1
+                seen = self.attempts[call]
+            if seen <= self.drops:
+                handler.close_connection = True
+                return
         if (
             self.stall.is_set()
             and handler.command in self.stall_methods
