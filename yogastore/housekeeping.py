@@ -99,6 +99,11 @@ def collect_garbage(store: Store) -> list[GcEntry]:
     removed = []
     for dataset_id, version in store.versions():
         name = f"{dataset_id}/{version}"
+        if not store.backend.coordinated and store.building(dataset_id, version):
+            # Locks are not exclusive on this store (single-writer): taking one would
+            # succeed beside the builder's. Look before taking it.
+            logger.info("gc: %s is being built; left alone", name)
+            continue
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(store.backend.lock(name, timeout=0))
