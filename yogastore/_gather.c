@@ -281,22 +281,37 @@ struct rows_at_call {
     int why;
 };
 
-static inline int64_t row_start_at(const struct rows_at_call *c, Py_ssize_t i, int *why,
-                                   int64_t *value) {
-    int64_t chunk, local, address;
-    memcpy(&chunk, c->chunks + i, sizeof chunk);
-    memcpy(&local, c->local + i, sizeof local);
-    if (chunk < 0 || chunk >= (int64_t)c->num_chunks) {
+/* The address of chunk chunks[i] in addresses (num_chunks of them), or 0 with
+ * the reason in *why (1 chunk out of range, 2 chunk never added: address 0) and
+ * the chunk in *value. The chunk is read once, into *chunk_out. */
+static inline int64_t chunk_address(const int64_t *chunks, const int64_t *addresses,
+                                    Py_ssize_t num_chunks, Py_ssize_t i, int64_t *chunk_out,
+                                    int *why, int64_t *value) {
+    int64_t chunk, address;
+    memcpy(&chunk, chunks + i, sizeof chunk);
+    if (chunk < 0 || chunk >= (int64_t)num_chunks) {
         *why = 1;
         *value = chunk;
-        return -1;
+        return 0;
     }
-    memcpy(&address, c->addresses + chunk, sizeof address);
+    memcpy(&address, addresses + chunk, sizeof address);
     if (address == 0) {
         *why = 2;
         *value = chunk;
+        return 0;
+    }
+    *chunk_out = chunk;
+    return address;
+}
+
+static inline int64_t row_start_at(const struct rows_at_call *c, Py_ssize_t i, int *why,
+                                   int64_t *value) {
+    int64_t chunk, local;
+    int64_t address = chunk_address(c->chunks, c->addresses, c->num_chunks, i, &chunk, why, value);
+    if (address == 0) {
         return -1;
     }
+    memcpy(&local, c->local + i, sizeof local);
     int64_t offset, start;
     int64_t base;
     if (local < 0 || __builtin_sub_overflow(address, c->lowest, &base) ||
@@ -466,20 +481,12 @@ struct var_call {
 
 static inline int64_t pair_start(const struct var_call *c, Py_ssize_t i, int64_t *chunk_out,
                                  int *why, int64_t *value) {
-    int64_t chunk, local, address, rows, base, start;
-    memcpy(&chunk, c->chunks + i, sizeof chunk);
-    memcpy(&local, c->local + i, sizeof local);
-    if (chunk < 0 || chunk >= (int64_t)c->num_chunks) {
-        *why = 1;
-        *value = chunk;
-        return -1;
-    }
-    memcpy(&address, c->pairs + chunk, sizeof address);
+    int64_t chunk, local, rows, base, start;
+    int64_t address = chunk_address(c->chunks, c->pairs, c->num_chunks, i, &chunk, why, value);
     if (address == 0) {
-        *why = 2;
-        *value = chunk;
         return -1;
     }
+    memcpy(&local, c->local + i, sizeof local);
     memcpy(&rows, c->rows + chunk, sizeof rows);
     if (local < 0 || local >= rows || __builtin_sub_overflow(address, c->lowest, &base) ||
         local > INT64_MAX / 8 || __builtin_add_overflow(base, local * 8, &start)) {
