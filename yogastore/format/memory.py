@@ -349,8 +349,8 @@ class VarRows:
     strings' bytes; with one string per record its record offsets are known
     and only its string offsets are read, in that same loop. Other layouts
     (several strings per record, shapes the schema fixes) and builds without
-    the compiled module take the numpy definition. Safe to gather from several threads while another
-    adds chunks.
+    the compiled module take the numpy definition. Safe to gather from
+    several threads while another adds chunks.
 
     Args:
         spec: the column (``var`` or ``bytes`` layout).
@@ -660,17 +660,10 @@ class VarRows:
         """``gather`` of one string per record: each record's string offsets, read in one loop."""
         flat, low = span
         n = len(local)
-        starts, lengths, boffsets, total = self._located(span, chunks, local, strings=True)
-        shapes = self._record_shapes(flat, low, chunks, local, boffsets)
+        starts, lengths, boffsets, _total = self._located(span, chunks, local, strings=True)
+        shapes = self._record_shapes(flat, low, chunks, local, lengths)  # fixed: not read
         offsets = np.arange(n + 1, dtype=np.int64)
-        aligned = self._aligned_span(in_place) if in_place is not None else None
-        if aligned is not None:
-            shift = low - int(aligned.__array_interface__["data"][0])
-            starts[lengths > 0] += shift
-            return ColumnBatch(self.spec, aligned, shapes, offsets, ranges=(starts, lengths))
-        data = self._pool.take(total)
-        copy_ranges(data, flat, starts, lengths)
-        return ColumnBatch(self.spec, data, shapes, offsets, boffsets)
+        return self._strings_batch(flat, low, starts, lengths, boffsets, shapes, offsets, in_place)
 
     def _gather_strings(
         self,
@@ -703,15 +696,36 @@ class VarRows:
         bad = (begin < 0) | (lengths < 0) | (end > self._nbytes[owner])
         if bad.any():
             raise self._corrupt(owner, bad, "string offsets out of bounds")
+        starts = np.where(lengths > 0, self._data[owner] - low + begin, 0)
+        return self._strings_batch(flat, low, starts, lengths, None, shapes, offsets, in_place)
+
+    def _strings_batch(
+        self,
+        flat: np.ndarray,
+        low: int,
+        starts: IntArray,
+        lengths: IntArray,
+        boffsets: IntArray | None,
+        shapes: IntArray,
+        offsets: IntArray,
+        in_place: tuple[int, int] | None,
+    ) -> ColumnBatch:
+        """The batch of strings at ``flat[starts[i]:][:lengths[i]]`` (start 0 when empty).
+
+        Left in place (``in_place``, when the aligned span lies in that map), or
+        copied into one pooled buffer; ``boffsets``: the strings' running byte
+        offsets, if already summed.
+        """
         span = self._aligned_span(in_place) if in_place is not None else None
         if span is not None:
             shift = low - int(span.__array_interface__["data"][0])
-            starts = np.where(lengths > 0, self._data[owner] - low + begin + shift, 0)
+            starts = np.where(lengths > 0, starts + shift, 0)
             return ColumnBatch(self.spec, span, shapes, offsets, ranges=(starts, lengths))
-        boffsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=boffsets[1:])
+        if boffsets is None:
+            boffsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=boffsets[1:])
         data = self._pool.take(int(boffsets[-1]))
-        copy_ranges(data, flat, np.where(lengths > 0, self._data[owner] - low + begin, 0), lengths)
+        copy_ranges(data, flat, starts, lengths)
         return ColumnBatch(self.spec, data, shapes, offsets, boffsets)
 
 
