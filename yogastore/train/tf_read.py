@@ -12,6 +12,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,23 +50,41 @@ _MAX_PREFETCH = 8
 # Ending the generators before the interpreter finalizes -----------------------------
 #
 # A to_tf_dataset iterator still alive when the process ends is destroyed while the
-# interpreter finalizes. If tf.data's read-ahead thread is then inside (or about to
-# enter) the generator, it waits for the GIL, which it can no longer get, and the
-# iterator's teardown waits for that thread: the process hangs at exit. So at exit,
-# before finalization, the generators then alive are ended (with an error, so that no
-# consumer takes it for the end of the data), and exit waits until no generator has run
-# for _EXIT_QUIET seconds (at most _EXIT_WAIT): the read-ahead threads have then seen
-# their generators end, or are idle with full buffers, which tear down cleanly.
-# Generators started later (by an exit handler of the caller's) run as usual.
-_EXIT_QUIET = 0.05
+# interpreter finalizes. A tf.data thread that calls into the generator then can no
+# longer take the GIL: Python ends that thread, and the iterator's teardown waits for it
+# forever. So at exit, before finalization, the generators then alive are ended (with an
+# error, so that no consumer takes it for the end of the data), and exit waits until
+# tf.data has stopped calling them:
+# - none is in a step, and none was called for _EXIT_QUIET seconds since the exit began
+#   (a read-ahead thread that a consumer's last take woke calls within that time);
+# - a generator that has finished (its data, an error, or the exit) is called once more
+#   by tf.data when its buffer has room, which ends the iteration, and from_generator then
+#   drops it: exit waits until it is dropped, or was not called for _FINISHED_QUIET
+#   seconds (the buffer was full: tf.data will not call it again).
+# At most _EXIT_WAIT seconds in all. Generators started later (by an exit handler of the
+# caller's) run as usual.
+_EXIT_QUIET = 0.25
+_FINISHED_QUIET = 1.0
 _EXIT_WAIT = 5.0
 _exit_lock = threading.Lock()
 
 
+class _Live:
+    """A generator that ``from_generator`` holds: its last call, and whether it finished."""
+
+    __slots__ = ("finished", "last", "ref")
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()  # start or end of the last step
+        self.finished = False
+        self.ref: weakref.ref[Any] | None = None
+
+
 class _ExitState:
-    registered = False  # the atexit handler
-    busy = 0  # generator steps running
-    last = 0.0  # time.monotonic() of the last step's start or end
+    def __init__(self) -> None:
+        self.registered = False  # the atexit handler
+        self.busy = 0  # generator steps running
+        self.live: set[_Live] = set()  # generators not yet dropped by from_generator
 
 
 _exit_state = _ExitState()
@@ -76,38 +95,85 @@ def _forked() -> None:
     global _exit_lock
     _exit_lock = threading.Lock()
     _exit_state.busy = 0
+    _exit_state.live = set()
 
 
 os.register_at_fork(after_in_child=_forked)
 
 
+def _settled(start: float, now: float) -> bool:
+    """Whether tf.data has stopped calling the generators (see above); under ``_exit_lock``."""
+    if _exit_state.busy:
+        return False
+    for live in list(_exit_state.live):  # a copy: other threads drop generators
+        if now - max(live.last, start) < _EXIT_QUIET:
+            return False
+        if live.finished and now - live.last < _FINISHED_QUIET:
+            return False
+    return True
+
+
 def _end_generators() -> None:
-    """``atexit``: end the generators alive now and wait until no generator runs."""
+    """``atexit``: end the generators alive now and wait until tf.data stops calling them."""
     waits.end_waits()  # the generators made before now end, and the reads they wait for
-    with _exit_lock:
-        _exit_state.last = time.monotonic()  # wait at least _EXIT_QUIET, GIL released
-    deadline = time.monotonic() + _EXIT_WAIT
-    while time.monotonic() < deadline:
-        time.sleep(0.005)
+    start = time.monotonic()
+    deadline = start + _EXIT_WAIT
+    while True:
+        time.sleep(0.005)  # the GIL released: the generators' threads run
+        now = time.monotonic()
         with _exit_lock:
-            busy, last = _exit_state.busy, _exit_state.last
-        if not busy and time.monotonic() - last >= _EXIT_QUIET:
-            return
+            if _settled(start, now) or now >= deadline:
+                return
 
 
-def _enter(born: int) -> None:
+def _enter(born: int, live: _Live) -> None:
     """Count a generator step in; raise ``ProcessExiting`` if the exit began after ``born``."""
     with _exit_lock:
-        _exit_state.last = time.monotonic()
+        live.last = time.monotonic()
         if waits.current() != born:
+            live.finished = True
             raise ProcessExiting("the process is exiting: this to_tf_dataset iterator was ended")
         _exit_state.busy += 1
 
 
-def _leave() -> None:
+def _leave(live: _Live, finished: bool) -> None:
     with _exit_lock:
         _exit_state.busy -= 1
-        _exit_state.last = time.monotonic()
+        live.last = time.monotonic()
+        live.finished = live.finished or finished
+
+
+def _dropped(live: _Live, state: _ExitState = _exit_state) -> None:
+    # No lock: this runs wherever the generator is freed, also while the interpreter
+    # finalizes (the module's globals may be gone); a set's discard is atomic.
+    state.live.discard(live)
+
+
+def _guarded(
+    generate: Callable[[], Iterator[tuple[Any, ...]]], born: int, live: _Live
+) -> Iterator[tuple[Any, ...]]:
+    items = generate()
+    try:
+        while True:
+            _enter(born, live)
+            finished = True  # unless the step gives an item
+            try:
+                item = next(items, None)
+                finished = item is None
+            finally:
+                _leave(live, finished)
+            if item is None:
+                return
+            yield item
+    finally:
+        with _exit_lock:
+            _exit_state.busy += 1  # the generator's own cleanup is a step too
+        try:
+            close = getattr(items, "close", None)  # a generator's: end its with-blocks
+            if close is not None:
+                close()
+        finally:
+            _leave(live, True)
 
 
 def _ends_at_exit(
@@ -121,27 +187,12 @@ def _ends_at_exit(
             if not _exit_state.registered:
                 atexit.register(_end_generators)
                 _exit_state.registered = True
-        born = waits.current()
-        items = generate()
-        try:
-            while True:
-                _enter(born)
-                try:
-                    item = next(items, None)
-                finally:
-                    _leave()
-                if item is None:
-                    return
-                yield item
-        finally:
-            with _exit_lock:
-                _exit_state.busy += 1  # the generator's own cleanup is a step too
-            try:
-                close = getattr(items, "close", None)  # a generator's: end its with-blocks
-                if close is not None:
-                    close()
-            finally:
-                _leave()
+        live = _Live()
+        gen = _guarded(generate, waits.current(), live)
+        with _exit_lock:
+            live.ref = weakref.ref(gen, lambda _ref: _dropped(live))
+            _exit_state.live.add(live)
+        return gen
 
     return run
 
