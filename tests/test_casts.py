@@ -166,3 +166,39 @@ def test_a_record_of_the_wrong_shape_is_refused_naming_record_and_component(
     assert store.versions() == []
     ref = store.cache("m", "1", lambda: records("a")[:7], spec=spec)
     assert ref.num_records == 7
+
+
+def test_a_string_without_utf8_encoding_is_refused_naming_its_component(tmp_path: Path) -> None:
+    store = yogastore.Store(tmp_path)
+    spec = {"s": yogastore.ComponentSpec(shape=(), dtype="string")}
+    bad = "lone \udc80 surrogate"
+    with pytest.raises(
+        UnsupportedElementError, match=r"record 1: component 's': .* cannot be encoded as UTF-8"
+    ):
+        store.cache("r", "1", lambda: [{"s": "fine"}, {"s": bad}], spec=spec)
+    with pytest.raises(
+        UnsupportedElementError, match=r"batch 0: component 's': .* cannot be encoded as UTF-8"
+    ):
+        store.cache(
+            "b", "1", lambda: yogastore.Batches([{"s": np.array(["a", bad], object)}]), spec=spec
+        )
+    assert store.versions() == []
+    ref = store.cache("r", "1", lambda: [{"s": "fine"}, {"s": "\u00e9\U0001f600"}], spec=spec)
+    assert [bytes(e["s"]) for e in ref.stream(shuffle=False)] == [
+        b"fine",
+        "\u00e9\U0001f600".encode(),
+    ]
+
+
+@pytest.mark.parametrize("value", [[[1, 2], [], [3]], [[1], [2]], [], np.zeros((2, 2), np.int32)])
+def test_a_ragged_component_given_as_lists_is_told_to_take_a_ragged_value(
+    tmp_path: Path, value: Any
+) -> None:
+    from yogastore.spec import Kind
+
+    spec = {"r": ComponentSpec(shape=(None, None), dtype="int32", kind=Kind.RAGGED, ragged_rank=1)}
+    with pytest.raises(
+        UnsupportedElementError,
+        match=r"component 'r': .* ragged_rank 1 takes a yogastore.RaggedValue",
+    ):
+        yogastore.Store(tmp_path).cache("d", "1", lambda: [{"r": value}], spec=spec)

@@ -153,20 +153,12 @@ def test_disk_cache_is_checked_against_build_checksums(endpoint: str, tmp_path: 
 # "work_queue": the stream claims slices of a work queue, and only the queue's requests
 # (listings, claims, done markers, leases) stall: the generator runs on until it needs
 # one, on the thread tf.data runs it on.
-# "stream_no_quiet": as "stream", with no quiet time at exit (_EXIT_QUIET = 0), as on a
-# loaded machine where tf.data's thread calls the ended generator late: only the wait
-# for the generator to be dropped keeps that call before the interpreter finalizes
-# (without that wait, 9 of 11 such runs hung in TensorFlow's teardown).
 STALLED_EXIT = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from tests.backends.fault_proxy import FaultProxy
 import yogastore as y
 bucket, kind = sys.argv[3], sys.argv[4]
-if kind == "stream_no_quiet":
-    import yogastore.train.tf_read
-    yogastore.train.tf_read._EXIT_QUIET = 0.0
-    kind = "stream"
 if kind == "stream":
     proxy = FaultProxy(sys.argv[2]).__enter__()
 else:
@@ -189,7 +181,7 @@ print("stalled", proxy.counts["stall"], flush=True)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["stream", "stream_no_quiet", "work_queue"])
+@pytest.mark.parametrize("kind", ["stream", "work_queue"])
 def test_exit_does_not_wait_for_a_stalled_endpoint(endpoint: str, kind: str) -> None:
     import os
     import subprocess

@@ -16,7 +16,7 @@ import numpy as np
 
 from storage_backends.errors import InvalidArgumentError, UnsupportedElementError
 from yogastore.build.casts import as_numpy, check_value
-from yogastore.format.encode import Slab
+from yogastore.format.encode import Slab, utf8
 from yogastore.format.layout import columns_for
 from yogastore.spec import STRING, Schema, numpy_dtype
 
@@ -113,12 +113,13 @@ def items_of_batches(schema: Schema, batches: Iterable[Any]) -> Iterator[tuple[s
             yield "batch", arrays
             continue
         data: list[Any] = []
-        for col, arr in zip(columns, arrays, strict=True):
+        for col, arr, path in zip(columns, arrays, schema.paths, strict=True):
             if col.layout == "fixed":
                 data.append(arr)
             else:
                 shapes = np.broadcast_to(np.asarray(arr.shape[1:], np.int64), (n, col.ndim))
-                data.append((shapes, [_text(s) for s in arr.reshape(-1)]))
+                where = f"batch {at}: component {path!r}"
+                data.append((shapes, [_text(s, where) for s in arr.reshape(-1)]))
         yield "slab", [Slab(n, tuple(data))]
 
 
@@ -161,9 +162,9 @@ def _not_a_batch(comp: Any, leaf: Any, path: str, at: int) -> UnsupportedElement
     )
 
 
-def _text(value: Any) -> bytes:
+def _text(value: Any, where: str) -> bytes:
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):
-        return value.encode()
+        return utf8(value, where)
     return bytes(value)

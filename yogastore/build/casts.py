@@ -80,6 +80,19 @@ def check_value(comp: ComponentSpec, value: Any, path: str) -> None:
         value = value.values
     elif isinstance(value, RaggedValue):
         value = value.flat_values
+    elif (
+        comp.kind is Kind.RAGGED
+        and comp.ragged_rank
+        and isinstance(value, list | tuple | np.ndarray)
+    ):
+        raise _refuse(
+            comp,
+            path,
+            value,
+            f"a ragged component of ragged_rank {comp.ragged_rank} takes a yogastore.RaggedValue "
+            f"(its flat values and {comp.ragged_rank} row-splits "
+            f"array{'s' if comp.ragged_rank > 1 else ''}), not nested lists or an array",
+        )
     value = as_numpy(value)
     if comp.dtype == STRING:
         _check_text(comp, value, path)

@@ -205,7 +205,7 @@ class ChunkBuilder:
             else:
                 flat = values.reshape(-1) if isinstance(values, np.ndarray) else values
                 strings = [
-                    v if isinstance(v, bytes) else v.encode() if isinstance(v, str) else bytes(v)
+                    v if isinstance(v, bytes) else utf8(v) if isinstance(v, str) else bytes(v)
                     for v in flat
                 ]
                 if len(strings) != total:
@@ -243,8 +243,9 @@ class ChunkBuilder:
                 value = strings_as_bytes(value)
             a = np.asarray(value, dtype=object)
             _check_shape(col, a.shape, name)
+            where = None if name is None else f"component {name!r}"
             strings = [
-                s if isinstance(s, bytes) else str(s).encode() if isinstance(s, str) else bytes(s)
+                s if isinstance(s, bytes) else utf8(s, where) if isinstance(s, str) else bytes(s)
                 for s in a.reshape(-1)
             ]
             parts.append((a.shape, strings))
@@ -384,6 +385,18 @@ def _check_shape(col: ColumnSpec, shape: tuple[int, ...], name: str | None = Non
         raise UnsupportedElementError(
             f"component {name!r} has shape {shape}, the spec says {col.shape}"
         )
+
+
+def utf8(value: str, where: str | None = None) -> bytes:
+    """``value`` encoded as UTF-8; a string that has no such encoding is refused, named."""
+    try:
+        return value.encode()
+    except UnicodeEncodeError as err:
+        raise UnsupportedElementError(
+            f"{where or 'a string'}: {value[:40]!r} cannot be encoded as UTF-8 "
+            f"({err.reason} at character {err.start}); give bytes, or a str without lone "
+            "surrogates"
+        ) from err
 
 
 def strings_as_bytes(value: list[Any] | tuple[Any, ...]) -> list[Any]:
