@@ -16,7 +16,7 @@ import numpy as np
 
 from storage_backends.errors import InvalidArgumentError, UnsupportedElementError
 from yogastore.build.casts import as_numpy, check_value
-from yogastore.format.encode import Slab, utf8
+from yogastore.format.encode import Slab, text_bytes
 from yogastore.format.layout import columns_for
 from yogastore.spec import STRING, Schema, numpy_dtype
 
@@ -119,7 +119,7 @@ def items_of_batches(schema: Schema, batches: Iterable[Any]) -> Iterator[tuple[s
             else:
                 shapes = np.broadcast_to(np.asarray(arr.shape[1:], np.int64), (n, col.ndim))
                 where = f"batch {at}: component {path!r}"
-                data.append((shapes, [_text(s, where) for s in arr.reshape(-1)]))
+                data.append((shapes, [text_bytes(s, where) for s in arr.reshape(-1)]))
         yield "slab", [Slab(n, tuple(data))]
 
 
@@ -160,11 +160,3 @@ def _not_a_batch(comp: Any, leaf: Any, path: str, at: int) -> UnsupportedElement
         f"batch {at}: component {path!r} is {type(leaf).__name__} {leaf!r:.40}, not a "
         f"batch of records of shape {comp.shape} (its first dimension counts the records)"
     )
-
-
-def _text(value: Any, where: str) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return utf8(value, where)
-    return bytes(value)

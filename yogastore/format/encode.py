@@ -204,10 +204,7 @@ class ChunkBuilder:
                 self.nbytes += values.nbytes + 8 * (total + slab.n)
             else:
                 flat = values.reshape(-1) if isinstance(values, np.ndarray) else values
-                strings = [
-                    v if isinstance(v, bytes) else utf8(v) if isinstance(v, str) else bytes(v)
-                    for v in flat
-                ]
+                strings = [text_bytes(v) for v in flat]
                 if len(strings) != total:
                     raise UnsupportedElementError(
                         f"{len(strings)} strings for records of {total} elements"
@@ -244,10 +241,7 @@ class ChunkBuilder:
             a = np.asarray(value, dtype=object)
             _check_shape(col, a.shape, name)
             where = None if name is None else f"component {name!r}"
-            strings = [
-                s if isinstance(s, bytes) else utf8(s, where) if isinstance(s, str) else bytes(s)
-                for s in a.reshape(-1)
-            ]
+            strings = [text_bytes(s, where) for s in a.reshape(-1)]
             parts.append((a.shape, strings))
             self.nbytes += sum(len(s) for s in strings) + 8 * (len(strings) + 1)
         else:
@@ -387,8 +381,15 @@ def _check_shape(col: ColumnSpec, shape: tuple[int, ...], name: str | None = Non
         )
 
 
-def utf8(value: str, where: str | None = None) -> bytes:
-    """``value`` encoded as UTF-8; a string that has no such encoding is refused, named."""
+def text_bytes(value: Any, where: str | None = None) -> bytes:
+    """One string's bytes: ``bytes`` as they are, ``str`` in UTF-8, others through ``bytes()``.
+
+    A ``str`` that has no UTF-8 encoding (a lone surrogate) is refused, named by ``where``.
+    """
+    if isinstance(value, bytes):
+        return value
+    if not isinstance(value, str):
+        return bytes(value)
     try:
         return value.encode()
     except UnicodeEncodeError as err:

@@ -72,19 +72,19 @@ _exit_lock = threading.Lock()
 class _Live:
     """A generator that ``from_generator`` holds: its last call, and whether it finished."""
 
-    __slots__ = ("finished", "last", "ref")
+    __slots__ = ("finished", "last")
 
     def __init__(self) -> None:
         self.last = time.monotonic()  # start or end of the last step
         self.finished = False
-        self.ref: weakref.ref[Any] | None = None
 
 
 class _ExitState:
     def __init__(self) -> None:
         self.registered = False  # the atexit handler
         self.busy = 0  # generator steps running
-        self.live: set[_Live] = set()  # generators not yet dropped by from_generator
+        # The generators from_generator has not yet dropped (an entry goes with its generator).
+        self.live: weakref.WeakKeyDictionary[Any, _Live] = weakref.WeakKeyDictionary()
 
 
 _exit_state = _ExitState()
@@ -95,7 +95,7 @@ def _forked() -> None:
     global _exit_lock
     _exit_lock = threading.Lock()
     _exit_state.busy = 0
-    _exit_state.live = set()
+    _exit_state.live = weakref.WeakKeyDictionary()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -105,7 +105,7 @@ def _settled(start: float, now: float) -> bool:
     """Whether tf.data has stopped calling the generators (see above); under ``_exit_lock``."""
     if _exit_state.busy:
         return False
-    for live in list(_exit_state.live):  # a copy: other threads drop generators
+    for live in list(_exit_state.live.values()):  # a copy: other threads drop generators
         if now - max(live.last, start) < _EXIT_QUIET:
             return False
         if live.finished and now - live.last < _FINISHED_QUIET:
@@ -141,12 +141,6 @@ def _leave(live: _Live, finished: bool) -> None:
         _exit_state.busy -= 1
         live.last = time.monotonic()
         live.finished = live.finished or finished
-
-
-def _dropped(live: _Live, state: _ExitState = _exit_state) -> None:
-    # No lock: this runs wherever the generator is freed, also while the interpreter
-    # finalizes (the module's globals may be gone); a set's discard is atomic.
-    state.live.discard(live)
 
 
 def _guarded(
@@ -190,8 +184,7 @@ def _ends_at_exit(
         live = _Live()
         gen = _guarded(generate, waits.current(), live)
         with _exit_lock:
-            live.ref = weakref.ref(gen, lambda _ref: _dropped(live))
-            _exit_state.live.add(live)
+            _exit_state.live[gen] = live
         return gen
 
     return run
